@@ -1,0 +1,104 @@
+"""The interface between models and attention backends.
+
+The model runner flattens every scheduled token of a step into one batch with no
+padding and describes it with :class:`AttentionMetadata`. Each attention layer
+asks the current forward context for its KV cache and the backend, then calls
+``backend.forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout, shared by all layers.
+
+    Requests are ordered so that ``query_start_loc`` is increasing. Tensors live on
+    the model's device; the ``*_cpu`` fields are host copies for backends that
+    need Python-side sizes.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, token offsets of each request
+    seq_lens: torch.Tensor  # [num_reqs] int32, KV length of each request after this step
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks] int32, physical block ids
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV slot of each new token
+    query_start_loc_cpu: np.ndarray  # [num_reqs + 1] int32
+    seq_lens_cpu: np.ndarray  # [num_reqs] int32
+    block_size: int
+    backend_data: Any = None  # whatever the backend's build_metadata added
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayerSpec:
+    """What a backend needs to know about one attention layer."""
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None  # attend to at most this many previous tokens
+    logits_soft_cap: float | None = None
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a KV cache, for mixed prefill + decode batches."""
+
+    name: str
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+
+    def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """Add backend-specific data to the step's metadata (once per step)."""
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # kv_cache_shape(...)
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write key/value into the cache at ``slot_mapping``, then attend.
+
+        Each request's queries are its last ``q_len`` positions, causal among
+        themselves, over all of its ``seq_len`` cached keys. Returns
+        ``[num_tokens, num_heads, head_size]``.
+        """
+
+
+def select_attention_backend(name: str | None, platform, dtype: torch.dtype, head_size: int):
+    """Instantiate the named backend (or the platform's default), checking it fits."""
+    from runtime.plugins import get_registry
+
+    registry = get_registry("attention_backend")
+    name = name or platform.default_attention_backend
+    comp = registry.component(name)
+    platforms = comp.options.get("platforms")
+    if platforms and platform.name not in platforms:
+        fitting = [c.name for c in registry if platform.name in (c.options.get("platforms") or [platform.name])]
+        raise ValueError(
+            f"attention backend {name!r} does not run on platform {platform.name!r} "
+            f"(it supports {', '.join(platforms)}); backends for {platform.name}: {', '.join(fitting) or 'none'}"
+        )
+    dtypes = comp.options.get("dtypes")
+    if dtypes and dtype not in dtypes:
+        raise ValueError(f"attention backend {name!r} does not support dtype {dtype}; supported: {dtypes}")
+    head_sizes = comp.options.get("head_sizes")
+    if head_sizes and head_size not in head_sizes:
+        raise ValueError(f"attention backend {name!r} does not support head size {head_size}; supported: {head_sizes}")
+    return comp.obj()

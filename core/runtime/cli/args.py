@@ -1,0 +1,45 @@
+"""CLI flags generated from the EngineArgs fields, so both stay in step."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from runtime.config import EngineArgs
+
+
+def _base_type(annotation):
+    if isinstance(annotation, str):
+        annotation = eval(annotation, {"int": int, "float": float, "str": str, "bool": bool, "None": None})  # noqa: S307
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return args[0]
+    return annotation
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine arguments")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        flags = [flag, *f.metadata.get("aliases", ())]
+        kind = _base_type(f.type)
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            continue
+        kwargs = {"dest": f.name, "default": f.default, "type": kind, "help": help_text}
+        if f.metadata.get("choices"):
+            kwargs["choices"] = f.metadata["choices"]
+        if f.metadata.get("kind"):
+            kwargs["metavar"] = f.metadata["kind"].upper()
+        group.add_argument(*flags, **kwargs)
+
+
+def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(ns, f.name)}
+    values.update(overrides)
+    return EngineArgs(**values)

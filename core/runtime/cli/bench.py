@@ -1,0 +1,11 @@
+"""``runtime bench ...``: benchmarks shipped with the engine."""
+
+from __future__ import annotations
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("bench", help="run a benchmark")
+    bench_sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    from runtime.bench import throughput
+
+    throughput.register(bench_sub)

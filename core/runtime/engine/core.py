@@ -1,0 +1,67 @@
+"""EngineCore: the step loop of schedule, execute and update (in-process or in its own process)."""
+
+from __future__ import annotations
+
+import logging
+
+from runtime.config import EngineConfig
+from runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from runtime.executor.base import create_executor
+from runtime.scheduler.request import Request, RequestStatus
+from runtime.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = config.model_config
+        self.executor = create_executor(config)
+        self.num_blocks = self.executor.initialize()
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+
+    def validate_request(self, request: EngineCoreRequest) -> None:
+        """Reject what the model cannot run; the front end checks the same first."""
+        num_prompt = len(request.prompt_token_ids)
+        max_len = self.model_config.max_model_len
+        if num_prompt == 0:
+            raise ValueError("prompt must not be empty")
+        if num_prompt >= max_len:
+            raise ValueError(
+                f"prompt has {num_prompt} tokens, but max_model_len is {max_len}; "
+                f"the prompt must be shorter than {max_len} tokens to leave room for output"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range; valid ids are 0..{vocab - 1}")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.validate_request(request)
+        params = request.sampling_params
+        room = self.model_config.max_model_len - len(request.prompt_token_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        eos = frozenset(self.model_config.eos_token_ids)
+        if request.eos_token_id is not None:
+            eos = eos | {request.eos_token_id}
+        self.scheduler.add_request(Request.from_engine_core_request(request, max_tokens, eos))
+
+    def abort_requests(self, request_ids) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.stats())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,64 @@
+"""LLMEngine: the synchronous front end over an in-process EngineCore."""
+
+from __future__ import annotations
+
+import itertools
+
+from runtime.config import EngineArgs, EngineConfig
+from runtime.engine.core import EngineCore
+from runtime.engine.input_processor import InputProcessor, PromptType
+from runtime.engine.output_processor import OutputProcessor
+from runtime.engine.parent_request import ParentRequest, fan_out
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+
+def load_tokenizer(config: EngineConfig):
+    if config.model_config.skip_tokenizer_init:
+        return None
+    from runtime.model_loader import get_tokenizer
+
+    return get_tokenizer(config.model_config.resolved)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = load_tokenizer(config)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> None:
+        request, prompt_text = self.input_processor.process(request_id, prompt, params, priority)
+        children = fan_out(request)
+        parent = ParentRequest(request) if len(children) > 1 else None
+        for index, child in enumerate(children):
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            self.engine_core.add_request(child)
+
+    def abort_request(self, request_ids) -> None:
+        ids = self.output_processor.abort_requests(list(request_ids))
+        self.engine_core.abort_requests(ids if ids is not None else request_ids)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        self.last_stats = outputs.scheduler_stats
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()

@@ -1,0 +1,25 @@
+"""One worker, in the engine core's own process."""
+
+from __future__ import annotations
+
+from runtime.config import EngineConfig
+from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.worker = Worker(config)
+
+    def initialize(self) -> int:
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_blocks()
+        self.worker.initialize_kv_cache(num_blocks)
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,163 @@
+"""Batched sampling parameters of one step, built from the rows' SamplingParams.
+
+The model runner builds one :class:`SamplingMetadata` per step for the rows that
+produce a token (batch order). Everything a row does not use stays ``None`` so the
+common case, all greedy with no penalties, costs one small loop and no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    num_rows: int
+    all_greedy: bool
+    all_random: bool
+    # [N] float32, 0.0 for greedy rows; None when every row is greedy.
+    temperature: torch.Tensor | None
+    # [N] int64, 0 = off, clamped to the vocabulary; None when no row uses top-k.
+    top_k: torch.Tensor | None
+    max_top_k: int  # largest top_k of the batch, 0 when top_k is None
+    top_p: torch.Tensor | None  # [N] float32, 1.0 = off
+    min_p: torch.Tensor | None  # [N] float32, 0.0 = off
+    presence_penalties: torch.Tensor | None  # [N] float32, 0.0 = off
+    frequency_penalties: torch.Tensor | None  # [N] float32, 0.0 = off
+    repetition_penalties: torch.Tensor | None  # [N] float32, 1.0 = off
+    # [N, P] int64 padded with vocab_size; only when a row uses repetition_penalty.
+    prompt_token_ids: torch.Tensor | None
+    # [N, O] int64 padded with vocab_size; only when a row uses any penalty.
+    output_token_ids: torch.Tensor | None
+    # logit_bias as three [B] tensors: logits[rows, token_ids] += values.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # min_tokens as two [S] tensors: logits[rows, token_ids] = -inf.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # row index -> the request's generator, for seeded random rows only.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    max_num_logprobs: int | None = None  # max of params.logprobs; None if no row wants them
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.output_token_ids is None
+
+
+def build_sampling_metadata(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Batch the rows' parameters; rows are in the order of the logits rows."""
+    num_rows = len(params)
+    assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows
+    is_greedy = [p.is_greedy for p in params]
+    all_greedy = all(is_greedy)
+    random_params = [p for p, greedy in zip(params, is_greedy) if not greedy]
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    temperature = top_k = top_p = min_p = None
+    max_top_k = 0
+    if not all_greedy:
+        temperature = floats([0.0 if g else p.temperature for p, g in zip(params, is_greedy)])
+        if any(p.top_k > 0 for p in random_params):
+            ks = [min(p.top_k, vocab_size) if not g else 0 for p, g in zip(params, is_greedy)]
+            top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            max_top_k = max(ks)
+        if any(p.top_p < 1.0 for p in random_params):
+            top_p = floats([1.0 if g else p.top_p for p, g in zip(params, is_greedy)])
+        if any(p.min_p > 0.0 for p in random_params):
+            min_p = floats([0.0 if g else p.min_p for p, g in zip(params, is_greedy)])
+
+    presence = frequency = repetition = prompt_ids = output_ids = None
+    if any(p.presence_penalty != 0.0 for p in params):
+        presence = floats([p.presence_penalty for p in params])
+    if any(p.frequency_penalty != 0.0 for p in params):
+        frequency = floats([p.frequency_penalty for p in params])
+    if any(p.repetition_penalty != 1.0 for p in params):
+        repetition = floats([p.repetition_penalty for p in params])
+        prompt_ids = _pad(prompt_token_ids, vocab_size, device)
+    if presence is not None or frequency is not None or repetition is not None:
+        output_ids = _pad(output_token_ids, vocab_size, device)
+
+    logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata(
+        num_rows=num_rows,
+        all_greedy=all_greedy,
+        all_random=not any(is_greedy),
+        temperature=temperature,
+        top_k=top_k,
+        max_top_k=max_top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalties=presence,
+        frequency_penalties=frequency,
+        repetition_penalties=repetition,
+        prompt_token_ids=prompt_ids,
+        output_token_ids=output_ids,
+        logit_bias=_logit_bias(params, vocab_size, device),
+        min_tokens_mask=_min_tokens_mask(params, output_token_ids, vocab_size, device),
+        generators={i: g for i, g in enumerate(generators) if g is not None and not is_greedy[i]},
+        max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+    )
+
+
+def _pad(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Right-pad token id lists with ``vocab_size`` into one [N, max_len] tensor."""
+    width = max((len(r) for r in rows), default=0)
+    padded = np.full((len(rows), width), vocab_size, dtype=np.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = row
+    return torch.from_numpy(padded).to(device)
+
+
+def _logit_bias(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token_id, bias in (p.logit_bias or {}).items():
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias token id {token_id} is out of the vocabulary [0, {vocab_size})")
+            rows.append(i)
+            token_ids.append(token_id)
+            values.append(bias)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
+
+
+def _min_tokens_mask(
+    params: list[SamplingParams], output_token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) pairs to forbid: stop tokens of rows still short of min_tokens."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for i, (p, output) in enumerate(zip(params, output_token_ids)):
+        if len(output) >= p.min_tokens:
+            continue
+        # A stop id outside the logits can never be produced, so it needs no mask.
+        stop_ids = [t for t in p.all_stop_token_ids if t < vocab_size]
+        rows.extend([i] * len(stop_ids))
+        token_ids.extend(stop_ids)
+    if not rows:
+        return None
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+    )

@@ -1,0 +1,86 @@
+"""The sampler: one token per row from the logits of one step.
+
+Order, as in vLLM V1:
+1. raw logprobs: log_softmax of the logits as given, if any row wants logprobs;
+2. logit_bias, the min_tokens stop mask, then the penalties (every row);
+3. greedy rows take the argmax;
+4. random rows: temperature, top-k, top-p, min-p, softmax, then one draw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.sample.filters import (
+    MIN_TEMPERATURE,
+    apply_min_p,
+    apply_temperature,
+    apply_top_k,
+    apply_top_p,
+    random_sample,
+)
+from runtime.sample.logprobs import LogprobsTensors, gather_logprobs
+from runtime.sample.metadata import SamplingMetadata
+from runtime.sample.penalties import apply_logit_bias, apply_min_tokens_mask, apply_penalties
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None  # K = metadata.max_num_logprobs; None if no row wants them
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [N, V] in any float dtype, rows in the order of ``metadata``."""
+        assert logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
+        logits = logits.to(torch.float32)
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=1)  # [N, V]
+        logits = self.process_logits(logits, metadata)
+        sampled = self.sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Apply logit_bias, min_tokens and the penalties. logits: [N, V] float32."""
+        if metadata.logit_bias is not None:
+            logits = apply_logit_bias(logits, metadata.logit_bias)
+        if metadata.min_tokens_mask is not None:
+            logits = apply_min_tokens_mask(logits, metadata.min_tokens_mask)
+        if not metadata.no_penalties:
+            logits = apply_penalties(
+                logits,
+                metadata.prompt_token_ids,
+                metadata.output_token_ids,
+                metadata.presence_penalties,
+                metadata.frequency_penalties,
+                metadata.repetition_penalties,
+            )
+        return logits
+
+    @staticmethod
+    def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax, random rows draw. logits: [N, V] -> [N] int64."""
+        greedy = None if metadata.all_random else logits.argmax(dim=1)  # [N]
+        if metadata.all_greedy:
+            return greedy
+        assert metadata.temperature is not None
+        logits = apply_temperature(logits, metadata.temperature)
+        if metadata.top_k is not None:
+            logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        if metadata.top_p is not None:
+            logits = apply_top_p(logits, metadata.top_p)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        sampled = random_sample(logits.softmax(dim=1), metadata.generators)  # [N]
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.temperature < MIN_TEMPERATURE, greedy, sampled)

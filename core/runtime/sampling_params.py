@@ -1,0 +1,111 @@
+"""Sampling parameters of one request, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries all text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    ``temperature=0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
+    ``logprobs=N`` returns the sampled token's logprob and the top N;
+    ``prompt_logprobs=N`` the same for each prompt token after the first.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine, not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "> 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", ">= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise bad(name, "None or an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "None or an integer")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)

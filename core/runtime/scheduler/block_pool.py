@@ -1,0 +1,93 @@
+"""Physical KV cache blocks, their free queue and the prefix-cache index."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None  # set once the block is full and cached
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Owns every block. Free blocks wait in eviction order (least recently freed first).
+
+    A free block keeps its hash, so a later request with the same prefix can take it
+    back out of the free queue (a prefix-cache hit) until it is evicted for reuse.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, count: int) -> list[KVCacheBlock]:
+        """Take ``count`` blocks from the head of the free queue, evicting their hashes."""
+        assert count <= len(self.free_queue), "caller must check num_free_blocks"
+        taken = []
+        for _ in range(count):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Add a reference to cached blocks a new request reuses."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks) -> None:
+        """Drop one reference from each block; unreferenced ones join the queue's tail.
+
+        Callers pass a request's blocks last-first, so a sequence's tail is evicted
+        before the prefix that other requests are more likely to share.
+        """
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, block
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def lookup(self, block_hash: int) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # Keep the first block cached under a hash; an identical later block stays private.
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True

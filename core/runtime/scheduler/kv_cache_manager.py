@@ -1,0 +1,112 @@
+"""Per-request block tables over the block pool, with prefix caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.scheduler.block_pool import BlockPool, KVCacheBlock
+from runtime.scheduler.request import Request
+
+_ROOT_HASH = hash("runtime-prefix-cache-root")
+
+
+def hash_block(parent_hash: int | None, token_ids) -> int:
+    """Hash of a full block, chained on its parent so equal hashes mean equal prefixes."""
+    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` over every full block of known tokens."""
+        hashes, bs = request.block_hashes, self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request: (blocks, number of tokens they hold).
+
+        At least one token is always left to compute, so the step yields logits.
+        Requests that want prompt logprobs skip the cache (they need every position).
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_tokens
+        return blocks, num_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[int] | None:
+        """Make room for ``num_new_tokens`` more tokens; returns the new block ids, or
+        None (changing nothing) when the pool cannot supply them."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
+        # Reused blocks that sit in the free queue stop being free once touched.
+        num_evictable_reused = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_reused:
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks = self.req_blocks.setdefault(request.request_id, blocks)
+        blocks.extend(computed_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, total)
+        return [b.block_id for b in computed_blocks + new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Index the blocks that will be full of known tokens after this step."""
+        self._update_block_hashes(request)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        for i in range(num_full):
+            if blocks[i].block_hash is None:
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free(reversed(blocks))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

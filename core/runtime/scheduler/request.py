@@ -1,0 +1,116 @@
+"""The scheduler's view of one request."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from runtime.engine.messages import EngineCoreRequest, FinishReason, LogprobsLists
+from runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    """Token state of one sequence: prompt, outputs so far and how much is computed."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority",
+        "eos_token_ids", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
+        "num_cached_tokens", "stop_reason", "num_preemptions", "block_hashes", "prompt_logprobs",
+        "max_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        max_tokens: int | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.eos_token_ids = eos_token_ids  # any of them ends the request (unless ignore_eos)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_cached_tokens = -1  # prefix-cache hits at the first schedule, -1 until then
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # hashes of full blocks, chained from the first
+        self.prompt_logprobs: list[LogprobsLists] = []  # chunks, joined when the prompt is done
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+
+    @classmethod
+    def from_engine_core_request(
+        cls, request: EngineCoreRequest, max_tokens: int, eos_token_ids: frozenset[int]
+    ) -> "Request":
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            eos_token_ids=eos_token_ids,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            max_tokens=max_tokens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def sort_key(self, policy: str) -> tuple:
+        """Smaller runs first: arrival order, or (priority, arrival) under 'priority'."""
+        if policy == "priority":
+            return (self.priority, self.arrival_time)
+        return (self.arrival_time,)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

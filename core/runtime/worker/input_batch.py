@@ -1,0 +1,123 @@
+"""Persistent per-request state on the worker, and flattening a step into tensors.
+
+Each request owns a row of two host buffers (its tokens and its block table) for
+as long as it runs, so building a step's inputs is a handful of vectorized numpy
+gathers, with no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    num_blocks: int
+    num_computed_tokens: int
+    num_tokens: int = 0  # prompt + outputs known to the worker
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """A step's flat batch, on the host (numpy) and on the device (torch)."""
+
+    states: list[CachedRequestState]
+    num_scheduled: np.ndarray  # [num_reqs]
+    num_computed: np.ndarray  # [num_reqs] before this step
+    query_start_loc: np.ndarray  # [num_reqs + 1]
+    seq_lens: np.ndarray  # [num_reqs]
+    positions: np.ndarray  # [num_tokens]
+    input_ids: torch.Tensor  # [num_tokens] on device
+    positions_t: torch.Tensor  # [num_tokens] on device
+    slot_mapping: torch.Tensor  # [num_tokens] on device
+    block_table: torch.Tensor  # [num_reqs, max_blocks] on device
+    sample_mask: np.ndarray = field(default=None)  # [num_reqs] bool: this step yields a token
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's changes: drop finished, add new, extend cached."""
+        for req_id in so.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.free_rows.append(state.row)
+        for new in so.scheduled_new_reqs:
+            row = self.free_rows.pop()
+            tokens = new.prompt_token_ids + new.output_token_ids
+            self.token_ids[row, : len(tokens)] = tokens
+            self.block_table[row, : len(new.block_ids)] = new.block_ids
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, row, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
+                len(new.block_ids), new.num_computed_tokens, len(tokens),
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.new_block_ids:
+                end = state.num_blocks + len(cached.new_block_ids)
+                self.block_table[state.row, state.num_blocks : end] = cached.new_block_ids
+                state.num_blocks = end
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        states = [self.requests[req_id] for req_id in so.num_scheduled_tokens]
+        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        # positions[t] = num_computed[r] + (t - query_start[r]) for token t of request r
+        token_rows = np.repeat(np.arange(len(states)), num_scheduled)
+        positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][token_rows] + num_computed[token_rows]
+        input_ids = self.token_ids[rows[token_rows], positions]
+        block_numbers = self.block_table[rows[token_rows], positions // self.block_size]
+        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        seq_lens = (num_computed + num_scheduled).astype(np.int32)
+        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(states) else 0
+        block_table = self.block_table[rows, :max_blocks]
+        to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
+        return StepInputs(
+            states=states,
+            num_scheduled=num_scheduled,
+            num_computed=num_computed,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            positions=positions,
+            input_ids=to_dev(input_ids),
+            positions_t=to_dev(positions),
+            slot_mapping=to_dev(slot_mapping),
+            block_table=to_dev(block_table),
+            sample_mask=(num_computed + num_scheduled) >= num_known,
+        )
+
+    def append_token(self, state: CachedRequestState, token_id: int) -> None:
+        if state.num_tokens < self.max_model_len:
+            self.token_ids[state.row, state.num_tokens] = token_id
+        state.output_token_ids.append(token_id)
+        state.num_tokens += 1

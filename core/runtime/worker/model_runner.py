@@ -1,0 +1,178 @@
+"""Runs the model on one device: one flat batch per step, then sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from runtime.attention.backend import AttentionMetadata, select_attention_backend
+from runtime.config import EngineConfig
+from runtime.engine.messages import LogprobsLists
+from runtime.forward_context import set_forward_context
+from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+
+logger = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_CHUNK = 512  # positions per logits matmul when computing prompt logprobs
+
+
+def step_generator(seed: int, num_output_tokens: int) -> torch.Generator:
+    """A generator for one sampled position of a seeded request.
+
+    Deriving it from (seed, position) keeps seeded outputs identical whatever the
+    batch, and across preemption and recompute.
+    """
+    return torch.Generator().manual_seed(hash((seed, num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, platform, device: torch.device):
+        self.config = config
+        self.platform = platform
+        self.device = device
+        self.model_config = config.model_config
+        self.block_size = config.cache_config.block_size
+        self.model = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.input_batch = InputBatch(
+            config.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, device
+        )
+
+    # ---------------------------------------------------------------- setup
+    def load_model(self) -> None:
+        from runtime.model_loader import load_model
+        from runtime.sample.sampler import Sampler
+
+        mc = self.model_config
+        self.model = load_model(
+            mc.resolved, load_format=self.config.load_config.load_format, dtype=mc.dtype, device=self.device, seed=mc.seed
+        )
+        self.attention_specs = self.model.attention_specs()
+        head_size = self.attention_specs[0].head_size
+        self.attn_backend = select_attention_backend(
+            self.config.device_config.attention_backend, self.platform, mc.dtype, head_size
+        )
+        self.sampler = Sampler()
+
+    def model_memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
+        return sum(2 * self.block_size * s.num_kv_heads * s.head_size * elem for s in self.attention_specs)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache_config
+        if cache.num_gpu_blocks_override:
+            num_blocks = cache.num_gpu_blocks_override
+        else:
+            available = self.platform.kv_cache_memory_bytes(cache, self.model_memory_bytes())
+            num_blocks = available // self.kv_bytes_per_block()
+        max_len = self.model_config.max_model_len
+        if num_blocks * self.block_size < max_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {self.block_size} = {num_blocks * self.block_size} tokens, "
+                f"fewer than max_model_len ({max_len}); give it more memory (kv_cache_memory_bytes / "
+                "num_gpu_blocks_override) or lower max_model_len"
+            )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = [
+            torch.zeros(
+                self.attn_backend.kv_cache_shape(num_blocks, self.block_size, s.num_kv_heads, s.head_size),
+                dtype=self.model_config.dtype,
+                device=self.device,
+            )
+            for s in self.attention_specs
+        ]
+        self.num_blocks = num_blocks
+
+    # ---------------------------------------------------------------- step
+    def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        metadata = AttentionMetadata(
+            num_reqs=len(inputs.states),
+            num_tokens=int(inputs.query_start_loc[-1]),
+            max_query_len=int(inputs.num_scheduled.max()),
+            max_seq_len=int(inputs.seq_lens.max()),
+            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(self.device),
+            seq_lens=torch.from_numpy(inputs.seq_lens).to(self.device),
+            block_table=inputs.block_table,
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc_cpu=inputs.query_start_loc,
+            seq_lens_cpu=inputs.seq_lens,
+            block_size=self.block_size,
+        )
+        return self.attn_backend.build_metadata(metadata)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        inputs = batch.prepare(so)
+        with set_forward_context(self.attn_backend, self._metadata(inputs), self.kv_caches):
+            hidden = self.model(inputs.input_ids, inputs.positions_t)  # [num_tokens, hidden]
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        sample_rows = np.nonzero(inputs.sample_mask)[0]
+        if len(sample_rows) == 0:
+            return ModelRunnerOutput([], [], None, prompt_logprobs)
+        states = [inputs.states[i] for i in sample_rows]
+        last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_rows] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab]
+        sampler_output = self.sampler(logits, self._sampling_metadata(states))
+        token_ids = sampler_output.sampled_token_ids.tolist()
+        for state, token in zip(states, token_ids):
+            batch.append_token(state, token)
+        logprobs = None
+        if sampler_output.logprobs is not None:
+            from runtime.sample.logprobs import to_lists
+
+            logprobs = to_lists(sampler_output.logprobs, [s.sampling_params.logprobs or 0 for s in states])
+        return ModelRunnerOutput([s.req_id for s in states], [[t] for t in token_ids], logprobs, prompt_logprobs)
+
+    def _sampling_metadata(self, states: list[CachedRequestState]):
+        from runtime.sample.metadata import build_sampling_metadata
+
+        generators = [
+            step_generator(s.sampling_params.seed, len(s.output_token_ids)) if s.sampling_params.seed is not None else None
+            for s in states
+        ]
+        return build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            generators,
+            self.model_config.vocab_size,
+            self.device,
+        )
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this step's chunk predicts (position p -> token p + 1)."""
+        result: dict[str, LogprobsLists] = {}
+        for i, state in enumerate(inputs.states):
+            if not state.wants_prompt_logprobs:
+                continue
+            from runtime.sample.logprobs import compute_prompt_logprobs, to_lists
+
+            start = int(inputs.num_computed[i])
+            end = min(start + int(inputs.num_scheduled[i]), len(state.prompt_token_ids) - 1)
+            if end <= start:
+                result[state.req_id] = LogprobsLists([], [], [])
+                continue
+            offset = int(inputs.query_start_loc[i])
+            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            pieces = []
+            for lo in range(0, end - start, PROMPT_LOGPROBS_CHUNK):
+                hi = min(lo + PROMPT_LOGPROBS_CHUNK, end - start)
+                logits = self.model.compute_logits(hidden[offset + lo : offset + hi])
+                tensors = compute_prompt_logprobs(logits, targets[lo:hi], state.sampling_params.prompt_logprobs)
+                pieces.append(to_lists(tensors, [state.sampling_params.prompt_logprobs] * (hi - lo)))
+            result[state.req_id] = LogprobsLists(
+                [r for p in pieces for r in p.token_ids], [r for p in pieces for r in p.logprobs], [r for p in pieces for r in p.ranks]
+            )
+        return result

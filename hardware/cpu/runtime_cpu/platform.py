@@ -1,0 +1,46 @@
+"""The CPU platform: always available, KV cache sized from a memory setting."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from runtime.platforms import Platform
+
+DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB, like vLLM's CPU default KV space
+KV_CACHE_ENV = "RUNTIME_CPU_KVCACHE_SPACE"  # GiB, an alternative to kv_cache_memory_bytes
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    priority = 0  # any accelerator platform wins auto-detection
+    dist_backend = "gloo"
+    default_attention_backend = "cpu_paged"
+    supported_dtypes = (torch.float32, torch.bfloat16)
+
+    def is_available(self) -> bool:
+        return True
+
+    def total_memory_bytes(self) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def kv_cache_memory_bytes(self, cache_config, model_memory_bytes: int) -> int:
+        if cache_config.kv_cache_memory_bytes:
+            return cache_config.kv_cache_memory_bytes
+        env = os.environ.get(KV_CACHE_ENV)
+        if env:
+            try:
+                return int(float(env) * (1 << 30))
+            except ValueError:
+                raise ValueError(f"{KV_CACHE_ENV} must be a number of GiB, got {env!r}") from None
+        return min(DEFAULT_KV_CACHE_BYTES, self.total_memory_bytes() // 4)
+
+    def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
+        # float16 matmuls are slow on CPUs; bfloat16 keeps the range of the checkpoint.
+        return torch.bfloat16 if config_dtype == torch.float16 else config_dtype
+
+    def set_threads(self, num_threads: int | None) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)

@@ -1,0 +1,184 @@
+"""The token-budget scheduler: budget, chunking, preemption, priority, stops, abort."""
+
+from runtime.config import CacheConfig, SchedulerConfig
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler.output import ModelRunnerOutput
+from runtime.scheduler.request import Request, RequestStatus
+from runtime.scheduler.scheduler import Scheduler
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=16, policy="fcfs", caching=False, max_len=256):
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len, policy=policy),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        num_blocks,
+    )
+
+
+def make_request(req_id, num_prompt, max_tokens=4, priority=0, arrival=None, **params):
+    return Request(
+        req_id,
+        list(range(1, num_prompt + 1)),
+        SamplingParams(max_tokens=max_tokens, **params),
+        eos_token_ids=frozenset({0}),
+        arrival_time=arrival,
+        priority=priority,
+    )
+
+
+def run_step(scheduler, token=7):
+    """Schedule, pretend the model sampled ``token`` for every finished prefill/decode."""
+    so = scheduler.schedule()
+    sampled = [
+        rid
+        for rid, n in so.num_scheduled_tokens.items()
+        if scheduler.requests[rid].num_computed_tokens + n >= scheduler.requests[rid].num_tokens
+    ]
+    out = scheduler.update_from_output(so, ModelRunnerOutput(sampled, [[token] for _ in sampled]))
+    return so, out
+
+
+def test_budget_is_shared_and_prefill_is_chunked():
+    s = make_scheduler(budget=16)
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 10))
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 10, "b": 6}
+    assert so.total_num_scheduled_tokens == 16
+    so, out = run_step(s)
+    # a decodes one token, b finishes its prefill with the remaining 4
+    assert so.num_scheduled_tokens == {"a": 1, "b": 4}
+    assert {o.request_id for o in out.outputs} == {"a", "b"}
+
+
+def test_max_num_seqs_limits_running():
+    s = make_scheduler(max_seqs=2)
+    for i in range(3):
+        s.add_request(make_request(str(i), 4))
+    so, _ = run_step(s)
+    assert set(so.num_scheduled_tokens) == {"0", "1"}
+    assert len(s.waiting) == 1
+
+
+def test_no_chunking_when_disabled():
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False),
+        CacheConfig(block_size=4, enable_prefix_caching=False),
+        64,
+    )
+    s.add_request(make_request("a", 10))
+    s.add_request(make_request("b", 10))
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 10}
+
+
+def test_max_tokens_and_eos_and_stop_token_ids():
+    s = make_scheduler()
+    s.add_request(make_request("len", 4, max_tokens=2))
+    s.add_request(make_request("stop", 4, max_tokens=10, stop_token_ids=[7]))
+    _, out = run_step(s, token=7)
+    reasons = {o.request_id: (o.finish_reason, o.stop_reason) for o in out.outputs}
+    assert reasons["stop"] == ("stop", 7)
+    assert reasons["len"] == (None, None)
+    _, out = run_step(s, token=7)
+    assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("len", "length")]
+    assert not s.has_requests()
+
+
+def test_eos_respects_min_tokens_and_ignore_eos():
+    s = make_scheduler()
+    s.add_request(make_request("min", 4, max_tokens=5, min_tokens=2))
+    s.add_request(make_request("ign", 4, max_tokens=3, ignore_eos=True))
+    _, out = run_step(s, token=0)
+    assert all(o.finish_reason is None for o in out.outputs)
+    _, out = run_step(s, token=0)
+    assert {o.request_id: o.finish_reason for o in out.outputs} == {"min": "stop", "ign": None}
+    _, out = run_step(s, token=0)
+    assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("ign", "length")]
+
+
+def test_preemption_frees_blocks_and_resumes_by_recompute():
+    # 6 blocks of 4 tokens; two requests of 8 prompt tokens each grow until they collide.
+    s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_len=64)
+    s.add_request(make_request("a", 8, max_tokens=12))
+    s.add_request(make_request("b", 8, max_tokens=12))
+    seen_preempt = False
+    finished = set()
+    for _ in range(60):
+        so, out = run_step(s)
+        if so.finished_req_ids - finished:
+            seen_preempt = True
+        finished |= {o.request_id for o in out.outputs if o.finished}
+        if not s.has_requests():
+            break
+    assert seen_preempt and s.num_preemptions > 0
+    assert finished == {"a", "b"}
+    assert s.kv_cache_manager.pool.num_free_blocks == 6
+
+
+def test_preempted_request_is_resent_with_its_outputs():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64, max_len=64)
+    s.add_request(make_request("a", 4, max_tokens=8))
+    s.add_request(make_request("b", 4, max_tokens=8))
+    resumed = None
+    for _ in range(40):
+        so, _ = run_step(s)
+        for new in so.scheduled_new_reqs:
+            if new.output_token_ids:
+                resumed = new
+        if resumed or not s.has_requests():
+            break
+    assert resumed is not None
+    assert resumed.num_computed_tokens == 0 and resumed.output_token_ids == [7] * len(resumed.output_token_ids)
+
+
+def test_priority_policy_orders_waiting_and_preempts_lowest():
+    s = make_scheduler(max_seqs=1, policy="priority")
+    s.add_request(make_request("low", 4, priority=5, arrival=1.0))
+    s.add_request(make_request("high", 4, priority=0, arrival=2.0))
+    so, _ = run_step(s)
+    assert list(so.num_scheduled_tokens) == ["high"]
+
+
+def test_fcfs_orders_by_arrival():
+    s = make_scheduler(max_seqs=1)
+    s.add_request(make_request("first", 4, priority=5, arrival=1.0))
+    s.add_request(make_request("second", 4, priority=0, arrival=2.0))
+    so, _ = run_step(s)
+    assert list(so.num_scheduled_tokens) == ["first"]
+
+
+def test_abort_frees_blocks_and_tells_workers():
+    s = make_scheduler()
+    s.add_request(make_request("a", 8, max_tokens=100))
+    s.add_request(make_request("b", 8, max_tokens=100))
+    run_step(s)
+    ended = s.finish_requests(["a", "unknown"])
+    assert [r.request_id for r in ended] == ["a"] and ended[0].status == RequestStatus.FINISHED_ABORTED
+    so, _ = run_step(s)
+    assert "a" in so.finished_req_ids and list(so.num_scheduled_tokens) == ["b"]
+    s.finish_requests(["b"])
+    assert not s.has_requests() and s.kv_cache_manager.pool.num_free_blocks == 64
+
+
+def test_prefix_cache_hit_counts_cached_tokens():
+    s = make_scheduler(caching=True)
+    s.add_request(make_request("a", 12, max_tokens=1))
+    run_step(s)
+    s.add_request(make_request("b", 12, max_tokens=1))
+    so, out = run_step(s)
+    assert so.num_scheduled_tokens == {"b": 4} and so.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert out.outputs[0].num_cached_tokens == 8
+
+
+def test_priority_policy_preempts_the_lowest_priority_running_request():
+    s = make_scheduler(num_blocks=4, block_size=4, budget=64, policy="priority", max_len=64)
+    s.add_request(make_request("low", 4, max_tokens=8, priority=9, arrival=1.0))
+    s.add_request(make_request("high", 4, max_tokens=8, priority=0, arrival=2.0))
+    preempted = []
+    for _ in range(6):
+        so, _ = run_step(s)
+        preempted += [r for r in so.finished_req_ids if s.requests.get(r) and s.requests[r].status == RequestStatus.PREEMPTED]
+        if preempted:
+            break
+    assert preempted == ["low"]
