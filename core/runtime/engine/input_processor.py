@@ -64,6 +64,10 @@ class InputProcessor:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range; valid ids are 0..{vocab - 1}")
+        if params.logit_bias:
+            bad_bias = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+            if bad_bias is not None:
+                raise ValueError(f"logit_bias token id {bad_bias} is out of range; valid ids are 0..{vocab - 1}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:

@@ -1,0 +1,70 @@
+"""Hugging Face transformers as the peer in benchmarks: padded ``generate`` and ``generate_batch``."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def load_hf_model(model: str, dtype: torch.dtype | None, dummy: bool, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, gguf = (os.path.dirname(model), os.path.basename(model)) if model.endswith(".gguf") else (model, None)
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    if dummy:
+        torch.manual_seed(seed)
+        config = AutoConfig.from_pretrained(folder, **kwargs)
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", **kwargs)
+    return hf.eval()
+
+
+@torch.inference_mode()
+def hf_generate_padded(model, workload, batch_size: int) -> float:
+    """``generate`` over left-padded batches in arrival order; each batch runs to its longest output."""
+    pad = 0
+    start = time.perf_counter()
+    for lo in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[lo : lo + batch_size]
+        new_tokens = max(workload.output_lens[lo : lo + batch_size])
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_generate_batch(model, workload, max_batch_tokens: int) -> float:
+    """transformers' continuous batching (paged attention) with per-request output lengths."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max(workload.output_lens),
+        eos_token_id=-1,  # run every request to its length, like ignore_eos
+        pad_token_id=0,
+        max_batch_tokens=max_batch_tokens,
+    )
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
+            manager.add_request(input_ids=prompt, request_id=f"r{i}", max_new_tokens=n)
+        done = 0
+        while done < len(workload.prompts):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early")
+    return time.perf_counter() - start
