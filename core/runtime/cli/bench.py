@@ -6,6 +6,7 @@ from __future__ import annotations
 def register(sub) -> None:
     parser = sub.add_parser("bench", help="run a benchmark")
     bench_sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    from runtime.bench import throughput
+    from runtime.bench import step_overhead, throughput
 
     throughput.register(bench_sub)
+    step_overhead.register(bench_sub)

@@ -1,0 +1,99 @@
+"""Gemma 3 text model (``Gemma3ForCausalLM``).
+
+Differences from Llama: embeddings scaled by ``sqrt(hidden_size)``, Gemma norms
+(``1 + weight``) before and after both attention and MLP, per-head q/k norms, a
+``gelu_pytorch_tanh`` MLP, attention scaled by ``query_pre_attn_scalar ** -0.5``,
+sliding-window layers mixed with global ones (each with its own RoPE theta), and
+optional soft-capping of attention scores and final logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.models.layers import MLP, GemmaRMSNorm
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, head_dim
+from runtime.models.rotary import RotaryEmbedding, rope_parameters
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def gemma3_layer_types(config) -> list[str]:
+    """``config.layer_types``, or the older every-Nth-layer-is-global pattern."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return list(layer_types)
+    pattern = getattr(config, "sliding_window_pattern", None) or getattr(config, "_sliding_window_pattern", 6)
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = LlamaAttention(
+            config,
+            layer_idx,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=GemmaRMSNorm,
+            scale=config.query_pre_attn_scalar**-0.5,
+            sliding_window=config.sliding_window if layer_type == SLIDING else None,
+            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+        )
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, activation)
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder) is not supported")
+        layer_types = gemma3_layer_types(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_scale = config.hidden_size**0.5
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, t) for i, t in enumerate(layer_types))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        size, max_pos = head_dim(config), config.max_position_embeddings
+        self.rotary_emb = nn.ModuleDict(
+            {t: RotaryEmbedding(size, rope_parameters(config, t), max_pos) for t in sorted(set(layer_types))}
+        )
+        self._scale_by_dtype: dict[torch.dtype, float] = {}
+
+    def _embed_scale(self, dtype: torch.dtype) -> float:
+        # Hugging Face multiplies by the scale rounded to the weights' dtype.
+        if dtype not in self._scale_by_dtype:
+            self._scale_by_dtype[dtype] = torch.tensor(self.embed_scale, dtype=dtype).item()
+        return self._scale_by_dtype[dtype]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        hidden = hidden * self._embed_scale(hidden.dtype)
+        rope = {t: emb(positions, hidden.dtype) for t, emb in self.rotary_emb.items()}
+        for layer in self.layers:
+            hidden = layer(hidden, *rope[layer.layer_type])
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    def build_model(self, config) -> nn.Module:
+        return Gemma3Model(config)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)  # [N, vocab] float32
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,163 @@
+"""Llama (and Mistral) decoder, written so that Qwen2, Qwen3 and Gemma 3 reuse its parts.
+
+Forward takes a flat batch: ``input_ids`` and ``positions`` are ``[num_tokens]`` with
+every scheduled token of the step, and attention goes through the forward context's
+backend and paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.attention.backend import AttentionLayerSpec
+from runtime.models.layers import MLP, Attention, RMSNorm
+from runtime.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from runtime.models.weights import load_hf_weights
+
+# Hugging Face module name -> (our fused module, shard).
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_sliding_window(config, layer_idx: int) -> int | None:
+    """The window of a layer: per ``layer_types`` when present, else one for all (Mistral)."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v, optional per-head q/k norm (Qwen3, Gemma 3) and RoPE."""
+
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: type[RMSNorm] | None = None,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = head_dim(config)
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = qk_norm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(self.head_size, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(
+            layer_idx,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            scale if scale is not None else self.head_size**-0.5,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_size)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v)  # [T, num_heads, head_size]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(
+            config, layer_idx, sliding_window=layer_sliding_window(config, layer_idx), **self.attention_options(config)
+        )
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @staticmethod
+    def attention_options(config) -> dict[str, Any]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias}
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, decoder_layer_cls: type[LlamaDecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config), config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral. Subclasses swap the decoder layer or the whole body."""
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    stacked_params = STACKED_PARAMS
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = self.build_model(config)
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def build_model(self, config) -> nn.Module:
+        return LlamaModel(config, self.decoder_layer_cls)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # [N, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_hf_weights(self, weights, self.stacked_params, self.tie_word_embeddings)
+
+    def attention_specs(self) -> list[AttentionLayerSpec]:
+        return [layer.self_attn.attn.spec for layer in self.model.layers]
+
+
+__all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention"]

@@ -1,0 +1,77 @@
+"""Copy checkpoint tensors (Hugging Face names) into a model's parameters.
+
+Models fuse some projections (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``);
+``stacked`` maps each Hugging Face module name to ``(fused module name, shard)`` so
+that ``model.layers.0.self_attn.k_proj.weight`` lands in rows of
+``model.layers.0.self_attn.qkv_proj.weight``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from runtime.models.layers import MergedLinear
+
+# Tensors some checkpoints carry that hold no learned weights.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_hf_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Mapping[str, tuple[str, str]],
+    tie_word_embeddings: bool,
+) -> set[str]:
+    """Load ``(name, tensor)`` pairs; return the model parameter names fully loaded.
+
+    A fused parameter counts as loaded once all its shards arrived. With tied word
+    embeddings a checkpoint's ``lm_head.weight`` (if any) is skipped. A tensor that
+    matches no parameter, or has the wrong shape, is a ``ValueError``.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    shards_seen: dict[str, set[str]] = {}
+    for name, tensor in weights:
+        if name.endswith(IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        fused = _fused_target(name, stacked)
+        if fused is None:
+            _copy_param(model, params, name, tensor)
+            loaded.add(name)
+            continue
+        module_path, shard, param_name = fused
+        module = model.get_submodule(module_path)
+        assert isinstance(module, MergedLinear), f"{module_path} is not a MergedLinear"
+        module.load_shard(param_name, shard, tensor)
+        target = f"{module_path}.{param_name}"
+        shards_seen.setdefault(target, set()).add(shard)
+        if shards_seen[target] == set(module.shard_offsets):
+            loaded.add(target)
+    return loaded
+
+
+def _fused_target(name: str, stacked: Mapping[str, tuple[str, str]]) -> tuple[str, str, str] | None:
+    """``(fused module path, shard, param name)`` for a name of a fused projection, else None."""
+    module_path, _, param_name = name.rpartition(".")
+    parent, _, module_name = module_path.rpartition(".")
+    if module_name not in stacked:
+        return None
+    fused_name, shard = stacked[module_name]
+    return f"{parent}.{fused_name}" if parent else fused_name, shard, param_name
+
+
+def _copy_param(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    param = params.get(name)
+    if param is None:
+        raise ValueError(
+            f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__} "
+            f"(is the checkpoint for another architecture?)"
+        )
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
+    param.data.copy_(tensor)

@@ -1,0 +1,45 @@
+"""Reference outputs from Hugging Face transformers, and vLLM-style comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, num_logprobs: int = 5):
+    """Greedy ``generate`` per prompt with EOS disabled: (token ids, per-step top-k logprob dicts)."""
+    model.generation_config.eos_token_id = None
+    results = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        steps = []
+        for logits in out.logits:
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+            top = torch.topk(logprobs, num_logprobs)
+            steps.append(dict(zip(top.indices.tolist(), top.values.tolist())))
+        results.append((tokens, steps))
+    return results
+
+
+def check_outputs_equal(expected: list[list[int]], actual: list[list[int]], label: str) -> None:
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        assert e == a, f"{label}: prompt {i} differs at position {next(j for j, (x, y) in enumerate(zip(e, a)) if x != y) if e[:len(a)] != a[:len(e)] else min(len(e), len(a))}:\n hf:      {e}\n runtime: {a}"
+
+
+def check_logprobs_close(hf_steps: list[dict], runtime_logprobs: list[dict], atol: float, label: str) -> None:
+    """Each position's top tokens agree and their logprobs are within ``atol``."""
+    for pos, (ref, ours) in enumerate(zip(hf_steps, runtime_logprobs)):
+        common = set(ref) & set(ours)
+        assert len(common) >= len(ref) - 1, f"{label}: position {pos} top tokens differ: {sorted(ref)} vs {sorted(ours)}"
+        for token in common:
+            diff = abs(ref[token] - ours[token].logprob)
+            assert diff <= atol, f"{label}: position {pos} token {token}: hf {ref[token]:.5f} vs runtime {ours[token].logprob:.5f}"
