@@ -32,6 +32,7 @@ def register(sub) -> None:
     parser.add_argument("--api-key", default=os.environ.get("RUNTIME_API_KEY"), help="required bearer token (env RUNTIME_API_KEY)")
     parser.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any)")
     parser.add_argument("--max-concurrent-requests", type=int, default=1024, help="503 beyond this many in flight")
+    parser.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="413 for a larger request body")
     add_engine_args(parser)
     parser.set_defaults(func=run)
 

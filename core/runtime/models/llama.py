@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.backend import AttentionLayerSpec
-from runtime.models.layers import MLP, Attention, RMSNorm
+from runtime.models.layers import MLP, Attention, MergedLinear, RMSNorm
 from runtime.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from runtime.models.weights import load_hf_weights
 

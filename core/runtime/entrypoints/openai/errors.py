@@ -1,0 +1,107 @@
+"""Errors in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+ValueError (bad input, named by SamplingParams / InputProcessor) and pydantic
+validation errors are 400; an unknown model 404; a dead engine 503. Every
+error response is counted in the app's metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.engine.core_client import EngineDeadError
+from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.entrypoints.openai.responses import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+_PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {"logit_bias"}
+_FIRST_WORD = re.compile(r"^([a-z_]+)\b")
+
+
+class OpenAIError(Exception):
+    """An error to answer with; ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+
+def param_of(message: str) -> str | None:
+    """The request field a ValueError message starts with ("temperature must be ..."), if any."""
+    match = _FIRST_WORD.match(message)
+    if match and match.group(1) in _PARAMS:
+        return match.group(1)
+    return None
+
+
+def from_exception(exc: BaseException) -> OpenAIError:
+    """The OpenAIError that answers ``exc``."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return OpenAIError(str(exc), 400, param=param_of(str(exc)))
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead")
+    logger.error("internal error answering a request", exc_info=exc)
+    return OpenAIError(f"internal server error: {type(exc).__name__}: {exc}", 500)
+
+
+def error_response(request: Request | None, error: OpenAIError, headers: dict | None = None) -> JSONResponse:
+    metrics = getattr(getattr(request, "app", None), "state", None)
+    metrics = getattr(metrics, "metrics", None)
+    if metrics is not None:
+        metrics.record_error(error.status, error.type)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return error_response(request, OpenAIError(f"the request body is not valid JSON: {detail}", 400))
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    return error_response(request, OpenAIError(message, 400, param=param))
+
+
+def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+    error = OpenAIError(str(exc.detail), exc.status_code, code=code)
+    return error_response(request, error, headers=getattr(exc, "headers", None))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    for exc_type in (OpenAIError, ValueError, EngineDeadError, Exception):
+        app.add_exception_handler(exc_type, lambda request, exc: error_response(request, from_exception(exc)))

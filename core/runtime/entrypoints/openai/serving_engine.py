@@ -1,0 +1,154 @@
+"""What completions and chat serving share: model check, request ids, running prompts, logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+from runtime.engine.input_processor import PromptType
+from runtime.entrypoints.openai.errors import OpenAIError
+from runtime.outputs import Logprob, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@dataclass
+class ServingContext:
+    """The running engine and the names it answers to."""
+
+    engine: object  # AsyncLLM (or anything with generate/abort/tokenizer/input_processor/model_config)
+    served_model_names: list[str]
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+class OpenAIServing:
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+        self.engine = ctx.engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to answer with; 404 for a name this server does not serve."""
+        if name is None or name in self.ctx.served_model_names:
+            return name or self.ctx.model_name
+        raise OpenAIError(
+            f"The model `{name}` does not exist; this server serves: {', '.join(self.ctx.served_model_names)}",
+            404, param="model", code="model_not_found",
+        )
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def start(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
+    ) -> tuple[RequestOutput | None, AsyncGenerator[RequestOutput, None]]:
+        """Start a request and wait for its first output, so bad input fails before any response is sent.
+
+        Returns the first output (None if the stream ended at once) and the generator for the rest.
+        """
+        stream = self.engine.generate(prompt, params, request_id, priority)
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return None, stream
+        except BaseException:
+            await stream.aclose()
+            raise
+        return first, stream
+
+    async def start_all(
+        self, prompts: list[PromptType], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> list[tuple[RequestOutput | None, AsyncGenerator[RequestOutput, None]]]:
+        """``start`` each prompt as ``{request_id}-{i}``; if one fails, the others are closed."""
+        tasks = [
+            asyncio.ensure_future(self.start(p, params.clone(), f"{request_id}-{i}", priority))
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in results:
+                if isinstance(result, tuple):
+                    await result[1].aclose()
+            raise
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def clamp_logprob(value: float) -> float:
+    return max(float(value), _MIN_LOGPROB)
+
+
+def top_entries(position: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The ``num`` most likely (token id, Logprob) pairs of one position, best first."""
+    ranked = sorted(position.items(), key=lambda item: item[1].logprob, reverse=True)
+    return ranked[:num]
+
+
+async def prepend(
+    first: RequestOutput | None, rest: AsyncGenerator[RequestOutput, None]
+) -> AsyncGenerator[RequestOutput, None]:
+    """The stream ``start`` split in two, joined again."""
+    try:
+        if first is not None:
+            yield first
+        async for output in rest:
+            yield output
+    finally:
+        await rest.aclose()
+
+
+async def merge_streams(
+    streams: list[AsyncGenerator[RequestOutput, None]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as (stream index, output), as they come."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+            await queue.put((index, done))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()

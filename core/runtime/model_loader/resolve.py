@@ -1,0 +1,126 @@
+"""Find a model's config, weights format, architecture and tokenizer from a local path.
+
+Accepted: a Hugging Face folder (``config.json`` + safetensors), a ``.gguf`` file, or a
+folder holding exactly one ``.gguf`` file. There is no hub download.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_SOURCES = "local Hugging Face folders (with config.json) and .gguf files are supported"
+
+
+@dataclass(slots=True)
+class ResolvedModel:
+    """Everything the loader needs to know about a model before reading weights."""
+
+    path: str  # the model folder (for GGUF: the folder holding the file)
+    hf_config: Any  # transformers config of the text model
+    gguf_file: str | None  # absolute path of the .gguf file, None for a Hugging Face folder
+    architecture: str  # a name registered through ``register_models``
+    tokenizer_path: str  # folder or .gguf file the tokenizer is read from
+    generation_config: Any = None  # transformers GenerationConfig when generation_config.json exists
+
+
+def resolve_model(model: str, tokenizer: str | None = None) -> ResolvedModel:
+    """Resolve ``model`` (a folder or a ``.gguf`` file) and an optional separate tokenizer."""
+    path = _existing_path(model, "model")
+    gguf_file = _find_gguf(path)
+    folder = os.path.dirname(gguf_file) if gguf_file else path
+    hf_config = _gguf_config(gguf_file) if gguf_file else _folder_config(folder)
+    return ResolvedModel(
+        path=folder,
+        hf_config=hf_config,
+        gguf_file=gguf_file,
+        architecture=model_architecture(hf_config),
+        tokenizer_path=_existing_path(tokenizer, "tokenizer") if tokenizer else (gguf_file or folder),
+        generation_config=_generation_config(folder),
+    )
+
+
+def _existing_path(value: str, what: str) -> str:
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.exists(path):
+        raise ValueError(f"{what} path {value!r} does not exist; {SUPPORTED_SOURCES} (no hub downloads)")
+    return path
+
+
+def _find_gguf(path: str) -> str | None:
+    """The GGUF file ``path`` names or holds, or None for a Hugging Face folder."""
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"model file {path!r} is not a .gguf file; {SUPPORTED_SOURCES}")
+        return path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(found) == 1:
+        return found[0]
+    if found:
+        names = ", ".join(os.path.basename(f) for f in found)
+        raise ValueError(f"folder {path!r} holds several .gguf files ({names}); pass the path of one of them")
+    raise ValueError(f"folder {path!r} has no config.json and no .gguf file; {SUPPORTED_SOURCES}")
+
+
+def _folder_config(folder: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"could not read {os.path.join(folder, 'config.json')}: {exc}") from exc
+
+
+def _gguf_config(gguf_file: str):
+    stat = os.stat(gguf_file)
+    config = _cached_gguf_config(gguf_file, stat.st_mtime_ns, stat.st_size)
+    return copy.deepcopy(config)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_gguf_config(gguf_file: str, mtime_ns: int, size: int):
+    """Parsing a GGUF header is slow (it holds the whole vocabulary); do it once per process."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+    except (ValueError, KeyError, OSError) as exc:
+        raise ValueError(f"could not read the config of GGUF file {gguf_file!r}: {exc}") from exc
+    # A GGUF of a multimodal model (Gemma 3) carries only the language model.
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_architecture(hf_config) -> str:
+    """The registered architecture for a config: its ``architectures``, else its ``model_type``."""
+    from runtime.plugins import get_registry
+
+    registry = get_registry("model")
+    declared = list(getattr(hf_config, "architectures", None) or [])
+    for name in declared:
+        if name in registry:
+            return name
+    if not declared:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        derived = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(hf_config, "model_type", None))
+        if derived in registry:
+            return derived
+    found = ", ".join(declared) if declared else f"model_type {getattr(hf_config, 'model_type', None)!r}"
+    raise ValueError(
+        f"unsupported model architecture {found}; supported: {', '.join(sorted(registry.names()))} "
+        "(a plugin can add more through register_models)"
+    )
+
+
+def _generation_config(folder: str):
+    if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(folder)

@@ -1,0 +1,340 @@
+"""The OpenAI server (a real subprocess, the official client) against transformers and against itself."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+import torch
+
+from remote_server import SERVER_FLAGS, RemoteServer
+
+API_KEY = "test-key"
+MODEL = "tiny"
+MAX_TOKENS = 8
+GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    flags = SERVER_FLAGS + ["--served-model-name", MODEL, "--max-body-bytes", "100000"]
+    srv = RemoteServer(tiny_llama, flags, log, api_key=API_KEY).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_llama):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(tiny_llama), model
+
+
+def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy token ids and the log-softmax row of each step, by full forward passes."""
+    ids = list(prompt_ids)
+    rows = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()  # [vocab]
+            row = torch.log_softmax(logits, dim=-1)
+            rows.append(row)
+            ids.append(int(row.argmax()))
+    return ids[len(prompt_ids):], rows
+
+
+def complete(client, prompt, **kwargs):
+    return client.completions.create(model=MODEL, prompt=prompt, **{**GREEDY, **kwargs})
+
+
+# ----------------------------------------------------------------- basics
+def test_models_health_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed
+    assert httpx.get(server.url + "/version").json()["version"]
+
+
+def test_completion_matches_transformers(client, hf):
+    tokenizer, model = hf
+    prompt = "Hello, my name is"
+    prompt_ids = tokenizer.encode(prompt)
+    ref_ids, ref_rows = hf_greedy(model, prompt_ids, MAX_TOKENS)
+    out = complete(client, prompt, logprobs=3)
+    choice = out.choices[0]
+    assert choice.text == tokenizer.decode(ref_ids)
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == MAX_TOKENS
+    assert out.usage.total_tokens == len(prompt_ids) + MAX_TOKENS
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == MAX_TOKENS
+    for token_id, row, logprob, top in zip(ref_ids, ref_rows, lp.token_logprobs, lp.top_logprobs):
+        assert logprob == pytest.approx(float(row[token_id]), abs=2e-3)
+        expected_top = torch.topk(row, 3).values.tolist()
+        assert sorted(top.values(), reverse=True) == pytest.approx(expected_top, abs=2e-3)
+
+
+def test_chat_matches_transformers(client, hf):
+    tokenizer, model = hf
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    ref_ids, ref_rows = hf_greedy(model, prompt_ids, 5)
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_completion_tokens=5, logprobs=True, top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    choice = out.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == tokenizer.decode(ref_ids)
+    assert out.usage.prompt_tokens == len(prompt_ids) and out.usage.completion_tokens == 5
+    content = choice.logprobs.content
+    assert len(content) == 5
+    for token_id, row, entry in zip(ref_ids, ref_rows, content):
+        assert entry.logprob == pytest.approx(float(row[token_id]), abs=2e-3)
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(float(row.max()), abs=2e-3)
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+# -------------------------------------------------------------- streaming
+def test_completion_stream_equals_unary(client):
+    unary = complete(client, "The capital of France is", logprobs=1)
+    chunks = list(complete(client, "The capital of France is", logprobs=1, stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 1  # really incremental
+    assert "".join(c.choices[0].text for c in text_chunks) == unary.choices[0].text
+    tokens = [t for c in text_chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == unary.choices[0].logprobs.tokens
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == unary.usage.model_dump()
+
+
+def test_chat_stream_equals_unary(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], temperature=0, max_tokens=6,
+                  extra_body={"ignore_eos": True})
+    unary = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == unary.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6 == unary.usage.completion_tokens
+    # without include_usage, no chunk carries usage
+    assert all(c.usage is None for c in client.chat.completions.create(**kwargs, stream=True))
+
+
+# ------------------------------------------------------------ n, seed, stop
+def test_n_and_seed(client):
+    sample = dict(temperature=1.0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+    first = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, seed=7, **sample)
+    again = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, seed=7, **sample)
+    other = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, seed=8, **sample)
+    texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
+    assert [c.index for c in sorted(first.choices, key=lambda c: c.index)] == [0, 1]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert texts != [c.text for c in sorted(other.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1]  # the two samples differ
+    assert first.usage.completion_tokens == 2 * MAX_TOKENS
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(model=MODEL, prompt="Once upon a time", n=2, seed=7, stream=True, **sample):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert [streamed[0], streamed[1]] == texts
+
+
+def test_stop_string(client):
+    full = complete(client, "1 2 3 4 5").choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expected = full[: full.index(stop)]
+    out = complete(client, "1 2 3 4 5", stop=[stop])
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].model_extra["stop_reason"] == stop
+    streamed = "".join(c.choices[0].text for c in complete(client, "1 2 3 4 5", stop=stop, stream=True) if c.choices)
+    assert streamed == expected
+
+
+def test_prompt_forms_and_echo(client, hf):
+    tokenizer, _ = hf
+    a, b = "The sky is", "My favourite food is"
+    single_a = complete(client, a).choices[0].text
+    single_b = complete(client, b).choices[0].text
+    both = complete(client, [a, b])
+    assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == [single_a, single_b]
+    assert both.usage.prompt_tokens == len(tokenizer.encode(a)) + len(tokenizer.encode(b))
+    assert complete(client, tokenizer.encode(a)).choices[0].text == single_a
+    two_id_prompts = complete(client, [tokenizer.encode(a), tokenizer.encode(b)])
+    assert [c.text for c in sorted(two_id_prompts.choices, key=lambda c: c.index)] == [single_a, single_b]
+    echoed = complete(client, a, echo=True, logprobs=1).choices[0]
+    assert echoed.text == a + single_a
+    assert echoed.logprobs.token_logprobs[0] is None  # the first prompt token has none
+    assert len(echoed.logprobs.tokens) == len(tokenizer.encode(a)) + MAX_TOKENS
+
+
+def test_max_tokens_variants(client):
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0, extra_body={"ignore_eos": True})
+    assert client.chat.completions.create(max_completion_tokens=3, **chat).usage.completion_tokens == 3
+    assert client.chat.completions.create(max_tokens=2, **chat).usage.completion_tokens == 2
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, top_p=0.9,
+                                    presence_penalty=0.5, frequency_penalty=0.5, seed=1,
+                                    extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.01, "repetition_penalty": 1.2})
+    assert out.usage.completion_tokens == 4
+
+
+def test_logit_bias_forces_token(client, hf):
+    tokenizer, _ = hf
+    token_id = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    out = complete(client, "Hello", logit_bias={str(token_id): 100}, max_tokens=3)
+    assert out.choices[0].text == tokenizer.decode([token_id] * 3)
+
+
+# ------------------------------------------------------------ concurrency
+def test_64_concurrent_streams_equal_solo_runs(server, client):
+    prompts = [f"Request number {i} says" for i in range(64)]
+    solo = [complete(client, p).choices[0].text for p in prompts]
+
+    async def run_all():
+        aclient = server.async_client()
+
+        async def one(prompt):
+            stream = await aclient.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run_all()) == solo
+    assert server.metric("runtime:num_requests_running") == 0
+
+
+def wait_for(predicate, timeout_s: float = 15.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_disconnect_aborts(server):
+    before = server.metric("runtime:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers()) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # generation started
+        assert server.metric("runtime:num_requests_running") == 1
+    assert wait_for(lambda: server.metric("runtime:num_requests_running") == 0)
+    assert server.metric("runtime:request_success_total", finished_reason="abort") == before + 1
+    # a unary request whose client gives up is aborted too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=server.headers(), timeout=0.5)
+    assert wait_for(lambda: server.metric("runtime:request_success_total", finished_reason="abort") == before + 2)
+    assert server.metric("runtime:num_requests_running") == 0
+
+
+# ---------------------------------------------------------------- errors
+BAD_REQUESTS = [
+    ("completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
+    ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": [1, 2, 99999999]}, 400, "prompt"),
+    ("completions", {"prompt": "hello " * 300}, 400, "prompt"),
+    ("completions", {"max_tokens": 3}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "stream": True, "temperature": -1}, 400, "temperature"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_REQUESTS, ids=[f"{p}-{s}-{q}" for p, _, s, q in BAD_REQUESTS])
+def test_bad_request(server, path, body, status, param):
+    body = {"model": MODEL, **body}
+    response = httpx.post(f"{server.url}/v1/{path}", json=body, headers=server.headers(), timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_bad_json_and_official_client_errors(server, client):
+    response = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={**server.headers(), "content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=-2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="missing", prompt="hi")
+
+
+def test_api_key(server):
+    for path in ("/v1/models",):
+        assert httpx.get(server.url + path).status_code == 401
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_oversized_body(server):
+    big = {"model": MODEL, "prompt": "x" * 200_000}
+    response = httpx.post(server.url + "/v1/completions", json=big, headers=server.headers())
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(30):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    response = httpx.post(server.url + "/v1/completions", content=chunks(), headers={**server.headers(), "content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_tokenize_detokenize(server, hf):
+    tokenizer, _ = hf
+    response = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert response["tokens"] == tokenizer.encode("Hello world") and response["count"] == len(response["tokens"])
+    assert httpx.post(server.url + "/detokenize", json={"tokens": response["tokens"]}).json()["prompt"] == "Hello world"
+    assert httpx.post(server.url + "/detokenize", json={"tokens": [10**9]}).status_code == 400
+
+
+def test_errors_counted_and_server_healthy(server, client):
+    """Run last: every error above was counted, nothing leaked, and the server still serves."""
+    samples = server.metrics()
+    num_400 = samples.get(("runtime:request_errors_total", (("status", "400"), ("type", "invalid_request_error"))), 0)
+    num_404 = samples.get(("runtime:request_errors_total", (("status", "404"), ("type", "invalid_request_error"))), 0)
+    num_bad = sum(1 for _, _, status, _ in BAD_REQUESTS if status == 400)
+    assert num_400 >= num_bad and num_404 >= 2
+    assert samples[("runtime:http_responses_total", (("path", "/v1/completions"), ("status", "413")))] >= 2
+    assert samples[("runtime:num_requests_running", ())] == 0 and samples[("runtime:num_requests_waiting", ())] == 0
+    assert samples[("runtime:request_success_total", (("finished_reason", "length"),))] > 64
+    assert samples[("runtime:time_to_first_token_seconds_count", ())] > 64
+    assert samples[("runtime:generation_tokens_total", ())] > 64 * MAX_TOKENS
+    assert samples[("runtime:prefix_cache_queries_total", ())] > 0
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert complete(client, "still alive?").usage.completion_tokens == MAX_TOKENS

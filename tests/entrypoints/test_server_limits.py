@@ -1,0 +1,93 @@
+"""Concurrency limit, CORS, and what happens when the engine process dies (a server of its own)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from remote_server import SERVER_FLAGS, RemoteServer
+
+ORIGIN = "http://allowed.example"
+LONG = {"prompt": "hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server_limits") / "server.log"
+    flags = SERVER_FLAGS + ["--max-concurrent-requests", "2", "--allowed-origins", ORIGIN]
+    srv = RemoteServer(tiny_llama, flags, log, env={"RUNTIME_ENGINE_DEATH_GRACE_S": "2"}).wait_ready()
+    yield srv
+    srv.stop()
+
+
+def wait_for(predicate, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_cors(server):
+    preflight = httpx.options(
+        server.url + "/v1/completions",
+        headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"},
+    )
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert httpx.get(server.url + "/v1/models", headers={"Origin": ORIGIN}).headers["access-control-allow-origin"] == ORIGIN
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models", headers={"Origin": "http://evil.example"}).headers
+
+
+def test_concurrency_limit(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=LONG) as first, http.stream("POST", "/v1/completions", json=LONG) as second:
+            for response in (first, second):
+                assert response.status_code == 200
+                next(line for line in response.iter_lines() if line.startswith("data:"))
+            third = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert third.status_code == 503
+            assert third.json()["error"]["code"] == "overloaded"
+            assert httpx.get(server.url + "/health").status_code == 200  # only /v1 POSTs are limited
+        assert wait_for(lambda: server.metric("runtime:num_requests_running") == 0)
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert server.metric("runtime:request_errors_total", status="503", type="server_error") >= 1
+
+
+def test_engine_death_fails_requests_and_exits(server):
+    """Run last: it kills this module's server."""
+    results: list[tuple[list[str], float]] = []
+
+    def stream_until_end():
+        with httpx.stream("POST", server.url + "/v1/completions", json=LONG, timeout=60) as response:
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    started.set()
+            results.append((events, time.monotonic()))
+
+    started = threading.Event()
+    thread = threading.Thread(target=stream_until_end)
+    thread.start()
+    assert started.wait(30)
+    killed_at = time.monotonic()
+    os.kill(server.engine_pid, signal.SIGKILL)
+    thread.join(30)
+    assert results, "the in-flight stream did not end"
+    events, ended_at = results[0]
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "engine" in events[-2]
+    assert ended_at - killed_at < 5.0  # failed fast, not at the end of 240 tokens
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+    assert server.proc.wait(30) != 0
+    assert "the engine process exited unexpectedly" in server.log()
