@@ -54,10 +54,12 @@ def _config(arch: str, vocab_size: int):
         return LlamaConfig(vocab_size=vocab_size, num_hidden_layers=2, head_dim=16, rope_parameters=rope,
                            tie_word_embeddings=False, **_COMMON)
     if arch == "qwen2":  # q/k/v biases, tied head
-        return Qwen2Config(vocab_size=vocab_size, num_hidden_layers=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        return Qwen2Config(vocab_size=vocab_size, num_hidden_layers=2, rope_parameters=rope,
                            tie_word_embeddings=True, **_COMMON)
     if arch == "qwen3":  # per-head q/k norms, head_dim 32 (not hidden / heads)
-        return Qwen3Config(vocab_size=vocab_size, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **_COMMON)
+        return Qwen3Config(vocab_size=vocab_size, num_hidden_layers=2, head_dim=32,
+                           tie_word_embeddings=False, **_COMMON)
     if arch == "gemma3":  # sliding layers (window 8) alternating with global ones, logit soft-cap
         return Gemma3TextConfig(
             vocab_size=vocab_size, num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=24,

@@ -91,7 +91,7 @@ class EngineCoreProc:
             else:
                 self._send_idle_stats()
                 self._drain_input(timeout_ms=_IDLE_POLL_MS)
-                self._check_parent()
+            self._check_parent()
 
     def _drain_input(self, timeout_ms: int) -> None:
         """Handle every queued message; wait up to ``timeout_ms`` for the first."""

@@ -1,10 +1,13 @@
 """Stream dequantized tensors out of a GGUF file, under Hugging Face parameter names.
 
-transformers' GGUF utilities do the hard parts: the llama.cpp -> Hugging Face name map
-(``get_gguf_hf_weights_map``) and per-architecture fix-ups (``TENSOR_PROCESSORS``:
-un-permuting Llama q/k, Gemma's ``norm - 1``). Unlike ``load_gguf_checkpoint`` this
-yields one tensor at a time (no full float32 copy of the model in memory) and skips
-re-parsing the vocabulary, which the config already cost once.
+gguf-py and transformers do the hard parts: gguf's tensor name map (Hugging Face module
+name -> llama.cpp name), its dequantizers, and transformers' per-architecture fix-ups
+(``TENSOR_PROCESSORS``: un-permuting Llama q/k, Gemma's ``norm - 1``). Compared with
+``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`` this
+
+* yields one tensor at a time instead of holding a float32 copy of the whole model,
+* does not parse the vocabulary again (the config already did, and it is slow), and
+* builds gguf's name map once instead of once per submodule (seconds per model).
 """
 
 from __future__ import annotations
@@ -20,17 +23,12 @@ from tqdm.auto import tqdm
 def gguf_weights(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hugging_face_name, float tensor)`` for each tensor of ``gguf_file``."""
     from gguf import GGUFReader, dequantize
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        read_field,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
     reader = GGUFReader(gguf_file)
     gguf_arch = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=hf_config.to_dict())
-    name_map = get_gguf_hf_weights_map(_hf_skeleton(hf_config), processor)
+    name_map = gguf_to_hf_names(gguf_arch, hf_config, processor)
     for tensor in tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor"):
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(
@@ -38,12 +36,35 @@ def gguf_weights(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]
         )
         if result.name not in name_map:  # e.g. llama.cpp's precomputed rope_freqs
             continue
-        yield name_map[result.name], torch.from_numpy(np.ascontiguousarray(result.weights).copy())
+        yield name_map[result.name], torch.from_numpy(np.array(result.weights, copy=True))
 
 
-def _hf_skeleton(hf_config) -> torch.nn.Module:
-    """The transformers model on the meta device: only its parameter names are used."""
+def gguf_to_hf_names(gguf_arch: str, hf_config, processor) -> dict[str, str]:
+    """``{"blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight", ...}``."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == gguf_arch), None)
+    if arch is None:
+        raise ValueError(f"GGUF architecture {gguf_arch!r} is unknown to the installed gguf package")
+    tensor_names = get_tensor_name_map(arch, hf_config.num_hidden_layers)
+    mapping: dict[str, str] = {}
+    for hf_name in _hf_parameter_names(hf_config):
+        name = processor.preprocess_name(hf_name)
+        base, dot, suffix = name.rpartition(".")
+        if suffix not in ("weight", "bias"):
+            base, dot, suffix = name, "", ""
+        gguf_name = tensor_names.get_name(base)
+        if gguf_name is None:
+            processor.perform_fallback_tensor_mapping(mapping, dot + suffix, "", name)
+        else:
+            mapping[gguf_name + dot + suffix] = hf_name
+    return mapping
+
+
+def _hf_parameter_names(hf_config) -> list[str]:
+    """Parameter names of the transformers model for ``hf_config``, built on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+        skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config))
+    return list(skeleton.state_dict())

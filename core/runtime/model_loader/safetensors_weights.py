@@ -28,7 +28,9 @@ def safetensors_files(folder: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if files:
         return files
-    pickles = sorted(os.path.basename(p) for pattern in PICKLE_PATTERNS for p in glob.glob(os.path.join(folder, pattern)))
+    pickles = sorted(
+        os.path.basename(p) for pattern in PICKLE_PATTERNS for p in glob.glob(os.path.join(folder, pattern))
+    )
     if pickles:
         raise ValueError(
             f"{folder!r} holds only pickle checkpoints ({', '.join(pickles)}); they are refused because loading "

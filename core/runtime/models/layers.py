@@ -151,4 +151,7 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
-        return f"layer={s.layer_idx}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_size={s.head_size}, window={s.sliding_window}"
+        return (
+            f"layer={s.layer_idx}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, "
+            f"head_size={s.head_size}, window={s.sliding_window}"
+        )

@@ -97,10 +97,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        self.self_attn = LlamaAttention(
-            config, layer_idx, sliding_window=layer_sliding_window(config, layer_idx), **self.attention_options(config)
-        )
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, getattr(config, "mlp_bias", False))
+        window = layer_sliding_window(config, layer_idx)
+        self.self_attn = LlamaAttention(config, layer_idx, sliding_window=window, **self.attention_options(config))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -141,7 +141,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = self.build_model(config)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def build_model(self, config) -> nn.Module:
         return LlamaModel(config, self.decoder_layer_cls)

@@ -102,7 +102,8 @@ class CPUPagedAttentionBackend:
 
         output = torch.empty_like(query)
         if data.decode_rows.numel():
-            out = _decode(layer, query[data.decode_rows], key_cache, value_cache, _decode_gather(data, layer.sliding_window))
+            gather = _decode_gather(data, layer.sliding_window)
+            out = _decode(layer, query[data.decode_rows], key_cache, value_cache, gather)
             output.index_copy_(0, data.decode_rows, out)
         for idx, req in enumerate(data.prefills):
             output[req.start : req.end] = _prefill(layer, query, key, value, key_cache, value_cache, data, idx)
@@ -161,13 +162,22 @@ def _prefill(layer, query, key, value, key_cache, value_cache, data: CPUAttentio
     if context_len == 0:
         k, v = key[req.start + first : req.end], value[req.start + first : req.end]
     else:
-        positions = torch.arange(first, req.seq_len, device=query.device)
-        slots = _slots_of(req.block_ids[None, :], positions[None, :], data.block_size)[0]
+        slots = _prefill_slots(data, idx, first)
         k, v = key_cache[slots], value_cache[slots]  # [num_keys, kv_heads, head]
     mask = _prefill_mask(data, idx, context_len, first, window)
     q = query[req.start : req.end].transpose(0, 1)  # [num_heads, q_len, head]
     out = _attend(q, k.transpose(0, 1), v.transpose(0, 1), mask, layer, is_causal=mask is None)
     return out.transpose(0, 1)
+
+
+def _prefill_slots(data: CPUAttentionData, idx: int, first: int) -> torch.Tensor:
+    """``[num_keys]`` cache slots of positions ``first .. seq_len - 1`` of prefill request ``idx``."""
+    cache_key = ("prefill_slots", idx, first)
+    if cache_key not in data.cache:
+        req = data.prefills[idx]
+        positions = torch.arange(first, req.seq_len, device=req.block_ids.device)
+        data.cache[cache_key] = _slots_of(req.block_ids[None, :], positions[None, :], data.block_size)[0]
+    return data.cache[cache_key]
 
 
 def _prefill_mask(data: CPUAttentionData, idx: int, context_len: int, first: int, window: int | None):

@@ -29,8 +29,8 @@ def naive_attention(q, k, v, q_positions, spec: AttentionLayerSpec) -> torch.Ten
     out = torch.empty_like(q)
     for t, pos in enumerate(q_positions):
         for h in range(spec.num_heads):
-            keys = range(pos + 1) if spec.sliding_window is None else range(max(0, pos - spec.sliding_window + 1), pos + 1)
-            keys = list(keys)
+            first = 0 if spec.sliding_window is None else max(0, pos - spec.sliding_window + 1)
+            keys = list(range(first, pos + 1))
             scores = torch.stack([q[t, h] @ k[j, h // group] for j in keys]) * spec.scale
             if spec.logits_soft_cap is not None:
                 scores = torch.tanh(scores / spec.logits_soft_cap) * spec.logits_soft_cap
