@@ -65,7 +65,7 @@ class SamplingParams:
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:

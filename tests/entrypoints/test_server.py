@@ -24,6 +24,7 @@ def server(tiny_llama, tmp_path_factory):
     srv = RemoteServer(tiny_llama, flags, log, api_key=API_KEY).wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log(), srv.log()
 
 
 @pytest.fixture(scope="module")

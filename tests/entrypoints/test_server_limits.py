@@ -24,6 +24,7 @@ def server(tiny_llama, tmp_path_factory):
     srv = RemoteServer(tiny_llama, flags, log, env={"RUNTIME_ENGINE_DEATH_GRACE_S": "2"}).wait_ready()
     yield srv
     srv.stop()
+    assert "Traceback" not in srv.log(), srv.log()
 
 
 def wait_for(predicate, timeout_s: float = 15.0) -> bool:

@@ -1,8 +1,7 @@
 import os
 import sys
 
-# Let tests import the shared helpers: tests/tiny_models.py and tests/models/paged_batch.py.
-_TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (_TESTS_DIR, os.path.join(_TESTS_DIR, "models")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+# test_gguf.py drives models with the paged-cache helper of tests/models/paged_batch.py.
+_MODELS_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+if _MODELS_TESTS not in sys.path:
+    sys.path.insert(0, _MODELS_TESTS)

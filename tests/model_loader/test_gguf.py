@@ -13,9 +13,9 @@ import os
 import pytest
 import torch
 from paged_batch import PagedRunner
-from tiny_models import smollm2_gguf_path, smollm2_tokenizer
+from tiny_models import smollm2_gguf_path
 
-from runtime.model_loader import load_model, resolve_model
+from runtime.model_loader import get_tokenizer, load_model, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +57,9 @@ def test_smollm2_gguf_matches_transformers():
     # The package folder holds exactly one .gguf and no config.json: it resolves to that file.
     assert resolve_model(os.path.dirname(path)).gguf_file == path
 
-    tokenizer = smollm2_tokenizer()  # the same conversion as get_tokenizer(resolved), cached per process
+    tokenizer = get_tokenizer(resolved)  # converted from the GGUF vocabulary
     prompts = [tokenizer("The capital of France is").input_ids, tokenizer("1, 2, 3, 4,").input_ids]
+    assert tokenizer.decode(prompts[0], skip_special_tokens=True) == "The capital of France is"
     check_logits_match(resolved, prompts, atol=1e-3)
 
 

@@ -127,15 +127,25 @@ class AsyncLLM:
         request, prompt_text = self.input_processor.process(request_id, prompt, params, priority)
         children = fan_out(request)
         parent = ParentRequest(request) if len(children) > 1 else None
+        try:
+            for index, child in enumerate(children):
+                self.output_processor.add_request(child, prompt_text, parent, index)
+        except BaseException:  # e.g. stop strings without a tokenizer: forget the children added so far
+            self.output_processor.abort_requests([request_id])
+            raise
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         for index, child in enumerate(children):
-            self.output_processor.add_request(child, prompt_text, parent, index)
             self._parent_of[child.request_id] = request_id
             num_prompt = len(child.prompt_token_ids) if index == 0 else 0
             self.metrics.add_request(child.request_id, num_prompt, child.arrival_time)
-        for child in children:
-            self.engine_core.add_request(child)
+        try:
+            for child in children:
+                self.engine_core.add_request(child)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self.abort(request_id)
+            raise
         return queue
 
     def abort(self, request_id: str) -> None:

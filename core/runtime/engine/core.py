@@ -45,6 +45,8 @@ class EngineCore:
         eos = frozenset(self.model_config.eos_token_ids)
         if request.eos_token_id is not None:
             eos = eos | {request.eos_token_id}
+        # The sampler's min_tokens mask keeps all of these out until min_tokens is reached.
+        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
         self.scheduler.add_request(Request.from_engine_core_request(request, max_tokens, eos))
 
     def abort_requests(self, request_ids) -> None:

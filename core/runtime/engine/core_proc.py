@@ -57,19 +57,6 @@ class EngineCoreAddresses:
     output: str  # the engine pushes outputs here
 
 
-def restore_stop_token_ids(request: EngineCoreRequest, eos_token_ids) -> None:
-    """Refill ``all_stop_token_ids``, which SamplingParams.__post_init__ resets on decode.
-
-    The InputProcessor set it to the stop ids plus the EOS ids; the sampler's
-    min_tokens mask reads it.
-    """
-    params = request.sampling_params
-    eos = set(eos_token_ids)
-    if request.eos_token_id is not None:
-        eos.add(request.eos_token_id)
-    params.all_stop_token_ids = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else eos)
-
-
 class EngineCoreProc:
     """Runs one EngineCore against a pair of connected sockets until SHUTDOWN or death."""
 
@@ -78,7 +65,6 @@ class EngineCoreProc:
         self.input = input_socket
         self.output = output_socket
         self.parent_pid = parent_pid
-        self.eos_token_ids = tuple(engine_core.model_config.eos_token_ids)
         self._last_stats: dict | None = None
         self._running = True
 
@@ -103,7 +89,6 @@ class EngineCoreProc:
     def _handle(self, kind: bytes, payload) -> None:
         if kind == ADD:
             request = _request_decoder.decode(payload)
-            restore_stop_token_ids(request, self.eos_token_ids)
             try:
                 self.core.add_request(request)
             except ValueError as exc:

@@ -79,11 +79,7 @@ class InputProcessor:
         prompt_token_ids, prompt_text = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         params = params.clone()
-        eos_ids = set(self.model_config.eos_token_ids)
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
-        if tokenizer_eos is not None:
-            eos_ids.add(tokenizer_eos)
-        params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

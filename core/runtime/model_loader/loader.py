@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.config import LOAD_FORMATS
 from runtime.model_loader.resolve import ResolvedModel
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DUMMY_STD = 0.02
 
 

@@ -1,0 +1,1 @@
+"""Model implementations, registered by Hugging Face architecture name in ``runtime.builtins``."""

@@ -71,6 +71,10 @@ class ModelRunner:
         else:
             available = self.platform.kv_cache_memory_bytes(cache, self.model_memory_bytes())
             num_blocks = available // self.kv_bytes_per_block()
+            # More blocks than every sequence slot can fill only keep old prefixes;
+            # keep twice that at most so small models don't reserve gigabytes.
+            blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
+            num_blocks = min(num_blocks, 2 * self.config.scheduler_config.max_num_seqs * blocks_per_seq)
         max_len = self.model_config.max_model_len
         if num_blocks * self.block_size < max_len:
             raise ValueError(

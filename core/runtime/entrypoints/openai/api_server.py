@@ -17,7 +17,7 @@ from importlib import metadata
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from runtime.config import EngineArgs, EngineConfig
 from runtime.engine.core_client import EngineStartupError
@@ -59,15 +59,14 @@ async def run_until_disconnect(request: Request, handler):
         watcher.cancel()
         if not task.done():
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its cleanup (aborts) run
     if task.cancelled():
         return Response(status_code=499)  # nobody reads it
     return task.result()
 
 
-def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
     engine = ctx.engine
-    completions = OpenAIServingCompletion(ctx)
-    chat = OpenAIServingChat(ctx)
 
     @app.get("/health")
     async def health(request: Request):
@@ -90,6 +89,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
             for name in ctx.served_model_names
         ]
         return ModelList(data=cards).model_dump()
+
+
+def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
+    engine = ctx.engine
+    completions = OpenAIServingCompletion(ctx)
+    chat = OpenAIServingChat(ctx)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
@@ -134,7 +139,8 @@ def build_app(args, engine) -> FastAPI:
     app.state.metrics = engine.metrics
     ctx = ServingContext(engine=engine, served_model_names=[engine.model_config.served_model_name])
     install_error_handlers(app)
-    _add_routes(app, ctx)
+    _add_info_routes(app, ctx)
+    _add_generation_routes(app, ctx)
     metrics = engine.metrics
     limit = getattr(args, "max_concurrent_requests", None)
     if limit:
