@@ -33,6 +33,10 @@ class Platform:
         """Bytes to give to the KV cache once the model is loaded."""
         raise NotImplementedError
 
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One layer's KV cache tensor."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         return config_dtype
 

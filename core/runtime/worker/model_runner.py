@@ -71,10 +71,6 @@ class ModelRunner:
         else:
             available = self.platform.kv_cache_memory_bytes(cache, self.model_memory_bytes())
             num_blocks = available // self.kv_bytes_per_block()
-            # More blocks than every sequence slot can fill only keep old prefixes;
-            # keep twice that at most so small models don't reserve gigabytes.
-            blocks_per_seq = -(-self.model_config.max_model_len // self.block_size)
-            num_blocks = min(num_blocks, 2 * self.config.scheduler_config.max_num_seqs * blocks_per_seq)
         max_len = self.model_config.max_model_len
         if num_blocks * self.block_size < max_len:
             raise ValueError(
@@ -86,10 +82,10 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = [
-            torch.zeros(
+            self.platform.allocate_kv_cache(
                 self.attn_backend.kv_cache_shape(num_blocks, self.block_size, s.num_kv_heads, s.head_size),
-                dtype=self.model_config.dtype,
-                device=self.device,
+                self.model_config.dtype,
+                self.device,
             )
             for s in self.attention_specs
         ]

@@ -37,6 +37,11 @@ class CpuPlatform(Platform):
                 raise ValueError(f"{KV_CACHE_ENV} must be a number of GiB, got {env!r}") from None
         return min(DEFAULT_KV_CACHE_BYTES, self.total_memory_bytes() // 4)
 
+    def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
+        # A large empty tensor is fresh mmap'd memory: it reads as zeros and takes
+        # RAM only as blocks are written, so a big default cache costs nothing up front.
+        return torch.empty(shape, dtype=dtype, device=device)
+
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         # float16 matmuls are slow on CPUs; bfloat16 keeps the range of the checkpoint.
         return torch.bfloat16 if config_dtype == torch.float16 else config_dtype
