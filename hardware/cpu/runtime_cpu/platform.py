@@ -38,8 +38,8 @@ class CpuPlatform(Platform):
         return min(DEFAULT_KV_CACHE_BYTES, self.total_memory_bytes() // 4)
 
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
-        # A large empty tensor is fresh mmap'd memory: it reads as zeros and takes
-        # RAM only as blocks are written, so a big default cache costs nothing up front.
+        # cpu_paged never reads a slot before writing it, so the cache needs no zeroing;
+        # a large empty tensor then takes RAM only as blocks are written.
         return torch.empty(shape, dtype=dtype, device=device)
 
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
