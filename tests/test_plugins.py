@@ -10,7 +10,7 @@ from runtime import plugins
 from runtime.cli.main import main as cli_main
 from runtime.platforms import Platform, select_platform
 
-from conftest import make_distribution
+from plugin_dists import make_distribution
 
 hookimpl = pluggy.HookimplMarker("runtime")
 

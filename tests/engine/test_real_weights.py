@@ -47,13 +47,14 @@ def test_greedy_matches_transformers_on_gguf(model):
     expected = hf_greedy(hf, prompt_ids, NUM_NEW_TOKENS)
     del hf
     check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], name)
-    if name == "smollm2":
-        assert "Paris" in outputs[0].outputs[0].text
+    assert "France" in outputs[0].outputs[0].text or "Paris" in outputs[0].outputs[0].text
 
-    answer = llm.chat(
-        [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-        SamplingParams(temperature=0.0, max_tokens=16),
-        use_tqdm=False,
-    )[0].outputs[0]
+    question = "What is the capital of France? Answer in one word."
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    if name == "smollm2":  # its GGUF carries a chat template
+        answer = llm.chat([{"role": "user", "content": question}], greedy, use_tqdm=False)[0].outputs[0]
+        assert answer.finish_reason == "stop"
+    else:  # this is the Gemma base model (no chat template): ask few-shot
+        prompt = "Q: What is the capital of Germany?\nA: Berlin\nQ: What is the capital of Italy?\nA: Rome\nQ: What is the capital of France?\nA:"
+        answer = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert "Paris" in answer.text, answer.text
-    assert answer.finish_reason == "stop"
