@@ -25,11 +25,13 @@ from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
 
 
 @dataclass(slots=True)
-class KeyGather:
-    """Which cache slots hold the keys a group of queries may see, padded to one length."""
+class DecodeBucket:
+    """Decode rows of similar length, served by one block gather and one SDPA call."""
 
-    slots: torch.Tensor  # [num_rows, num_keys] int64 flat cache slots (0 where padded)
-    valid: torch.Tensor | None  # [num_rows, 1, 1, num_keys] bool, None when nothing is padded
+    rows: torch.Tensor  # [n] int64 indices into the step's decode rows
+    block_ids: torch.Tensor  # [n * num_blocks] int64 cache blocks to gather, row-major
+    num_blocks: int  # blocks gathered per row (padded to the bucket's longest)
+    valid: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] bool, None when all keys count
 
 
 @dataclass(slots=True)
@@ -47,8 +49,8 @@ class CPUAttentionData:
     """Per-step layout, built once by :meth:`CPUPagedAttentionBackend.build_metadata`."""
 
     decode_rows: torch.Tensor  # [num_decodes] int64 batch rows of single-token requests
-    decode_seq_lens: torch.Tensor  # [num_decodes] int64
-    decode_block_table: torch.Tensor  # [num_decodes, max_blocks] int64
+    decode_seq_lens: np.ndarray  # [num_decodes] int64
+    decode_block_table: np.ndarray  # [num_decodes, max_blocks] int64
     prefills: list[PrefillRequest]
     block_size: int
     cache: dict = field(default_factory=dict)  # (kind, index, window) -> gather / mask
@@ -68,7 +70,6 @@ class CPUPagedAttentionBackend:
         q_lens = qsl[1:] - qsl[:-1]
         block_table = metadata.block_table.to(torch.int64)
         is_decode = q_lens == 1
-        decode_reqs = torch.from_numpy(np.flatnonzero(is_decode))
         prefills = [
             PrefillRequest(int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i]), block_table[i])
             for i in np.flatnonzero(~is_decode & (q_lens > 0))
@@ -76,8 +77,8 @@ class CPUPagedAttentionBackend:
         device = metadata.query_start_loc.device
         metadata.backend_data = CPUAttentionData(
             decode_rows=torch.from_numpy(qsl[:-1][is_decode]).to(device),
-            decode_seq_lens=torch.from_numpy(seq_lens[is_decode]).to(device),
-            decode_block_table=block_table[decode_reqs.to(block_table.device)],
+            decode_seq_lens=seq_lens[is_decode],
+            decode_block_table=block_table.cpu().numpy()[is_decode],
             prefills=prefills,
             block_size=metadata.block_size,
         )
@@ -102,54 +103,69 @@ class CPUPagedAttentionBackend:
 
         output = torch.empty_like(query)
         if data.decode_rows.numel():
-            gather = _decode_gather(data, layer.sliding_window)
-            out = _decode(layer, query[data.decode_rows], key_cache, value_cache, gather)
+            buckets = _decode_buckets(data, layer.sliding_window, query.device)
+            out = _decode(layer, query[data.decode_rows], kv_cache, buckets)
             output.index_copy_(0, data.decode_rows, out)
         for idx, req in enumerate(data.prefills):
             output[req.start : req.end] = _prefill(layer, query, key, value, key_cache, value_cache, data, idx)
         return output
 
 
-def _decode_gather(data: CPUAttentionData, window: int | None) -> KeyGather:
-    """Slots of the keys each decode row sees: the last ``window`` positions (or all)."""
-    cache_key = ("decode", 0, window)
-    if cache_key not in data.cache:
-        seq_lens = data.decode_seq_lens
-        first = seq_lens - window if window is not None else torch.zeros_like(seq_lens)
-        first = first.clamp(min=0)  # [num_decodes] first visible key position
-        counts = seq_lens - first
-        num_keys = int(counts.max())
-        offsets = torch.arange(num_keys, device=seq_lens.device)
-        positions = first[:, None] + offsets[None, :]  # [num_decodes, num_keys]
-        valid = offsets[None, :] < counts[:, None]
-        positions = torch.where(valid, positions, 0)
-        slots = _slots_of(data.decode_block_table, positions, data.block_size)
-        padded = bool((~valid).any())
-        data.cache[cache_key] = KeyGather(slots, valid[:, None, None, :] if padded else None)
-    return data.cache[cache_key]
+# Decode rows are sorted by how many blocks they read and split into this many
+# groups, so that padding to the longest row of a group wastes little.
+NUM_DECODE_BUCKETS = 4
+
+
+def _decode_buckets(data: CPUAttentionData, window: int | None, device) -> list[DecodeBucket]:
+    """Group decode rows by length; each reads whole blocks from its first visible one."""
+    cache_key = ("decode", window)
+    if cache_key in data.cache:
+        return data.cache[cache_key]
+    bs, seq_lens, table = data.block_size, data.decode_seq_lens, data.decode_block_table
+    first_pos = np.maximum(seq_lens - window, 0) if window is not None else np.zeros_like(seq_lens)
+    first_block = first_pos // bs
+    num_blocks = (seq_lens - 1) // bs - first_block + 1
+    buckets = []
+    for part in np.array_split(np.argsort(num_blocks, kind="stable"), min(NUM_DECODE_BUCKETS, len(seq_lens))):
+        width = int(num_blocks[part].max())
+        cols = first_block[part, None] + np.arange(width)[None, :]  # [n, width] block-table columns
+        key_pos = ((cols * bs)[:, :, None] + np.arange(bs)).reshape(len(part), width * bs)
+        in_range = (key_pos >= first_pos[part, None]) & (key_pos < seq_lens[part, None])
+        # Columns past a row's last block read its first visible block again (real data, masked out).
+        cols = np.where(cols < (first_block + num_blocks)[part, None], cols, first_block[part, None])
+        ids = np.take_along_axis(table[part], cols, axis=1)
+        valid = None if in_range.all() else torch.from_numpy(in_range[:, None, None, :]).to(device)
+        buckets.append(
+            DecodeBucket(torch.from_numpy(part).to(device), torch.from_numpy(ids.ravel()).to(device), width, valid)
+        )
+    data.cache[cache_key] = buckets
+    return buckets
+
+
+def _decode(
+    layer: AttentionLayerSpec,
+    query: torch.Tensor,  # [num_decodes, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_size]
+    buckets: list[DecodeBucket],
+) -> torch.Tensor:
+    num_rows, group = query.shape[0], layer.num_heads // layer.num_kv_heads
+    # The query heads of one kv head act as that head's "query length" for SDPA.
+    q = query.view(num_rows, layer.num_kv_heads, group, layer.head_size)
+    out = torch.empty_like(q)
+    block_size = kv_cache.shape[2]
+    for bucket in buckets:
+        n, num_keys = bucket.rows.numel(), bucket.num_blocks * block_size
+        # index_select copies whole blocks: far faster than gathering single slots.
+        k = kv_cache[0].index_select(0, bucket.block_ids).view(n, num_keys, layer.num_kv_heads, layer.head_size)
+        v = kv_cache[1].index_select(0, bucket.block_ids).view(n, num_keys, layer.num_kv_heads, layer.head_size)
+        out[bucket.rows] = _attend(q[bucket.rows], k.transpose(1, 2), v.transpose(1, 2), bucket.valid, layer, is_causal=False)
+    return out.view(num_rows, layer.num_heads, layer.head_size)
 
 
 def _slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat cache slots of token ``positions`` [rows, n] through ``block_table`` [rows, blocks]."""
     blocks = torch.gather(block_table, 1, positions // block_size)
     return blocks * block_size + positions % block_size
-
-
-def _decode(
-    layer: AttentionLayerSpec,
-    query: torch.Tensor,  # [num_decodes, num_heads, head_size]
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    gather: KeyGather,
-) -> torch.Tensor:
-    num_rows = query.shape[0]
-    group = layer.num_heads // layer.num_kv_heads
-    # The query heads of one kv head act as that head's "query length" for SDPA.
-    q = query.view(num_rows, layer.num_kv_heads, group, layer.head_size)
-    k = key_cache[gather.slots].transpose(1, 2)  # [num_rows, kv_heads, num_keys, head]
-    v = value_cache[gather.slots].transpose(1, 2)
-    out = _attend(q, k, v, gather.valid, layer, is_causal=False)  # [num_rows, kv_heads, group, head]
-    return out.reshape(num_rows, layer.num_heads, layer.head_size)
 
 
 def _prefill(layer, query, key, value, key_cache, value_cache, data: CPUAttentionData, idx: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from runtime.platforms import Platform
 
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB, like vLLM's CPU default KV space
+LAZY_ZERO_MIN_BYTES = 64 << 20  # above glibc's largest mmap threshold (32 MiB)
 KV_CACHE_ENV = "RUNTIME_CPU_KVCACHE_SPACE"  # GiB, an alternative to kv_cache_memory_bytes
 
 
@@ -38,8 +39,13 @@ class CpuPlatform(Platform):
         return min(DEFAULT_KV_CACHE_BYTES, self.total_memory_bytes() // 4)
 
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
-        # cpu_paged never reads a slot before writing it, so the cache needs no zeroing;
-        # a large empty tensor then takes RAM only as blocks are written.
+        # Attention reads whole blocks and masks the unused slots, so they must hold
+        # finite values. A large allocation is fresh mmap'd memory, which the kernel
+        # hands out zeroed and commits only as blocks are written: a big default cache
+        # then costs nothing up front. Small ones may reuse heap memory: zero them.
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if size < LAZY_ZERO_MIN_BYTES:
+            return torch.zeros(shape, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
 
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
