@@ -44,7 +44,6 @@ def hf_generate_padded(model, workload, batch_size: int) -> float:
     return time.perf_counter() - start
 
 
-@torch.inference_mode()
 def hf_generate_batch(model, workload, max_batch_tokens: int) -> float:
     """transformers' continuous batching (paged attention) with per-request output lengths."""
     from transformers import GenerationConfig
@@ -60,11 +59,17 @@ def hf_generate_batch(model, workload, max_batch_tokens: int) -> float:
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
             manager.add_request(input_ids=prompt, request_id=f"r{i}", max_new_tokens=n)
-        done = 0
-        while done < len(workload.prompts):
+        produced = {}
+        while len(produced) < len(workload.prompts):
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
-                done += 1
+                if result.error:
+                    raise RuntimeError(f"transformers generate_batch failed request {result.request_id}: {result.error}")
+                produced[result.request_id] = len(result.generated_tokens)
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped early")
+    expected = {f"r{i}": n for i, n in enumerate(workload.output_lens)}
+    if produced != expected:
+        wrong = [k for k in expected if produced.get(k) != expected[k]][:3]
+        raise RuntimeError(f"generate_batch produced wrong lengths, e.g. {[(k, produced.get(k), expected[k]) for k in wrong]}")
     return time.perf_counter() - start

@@ -84,7 +84,8 @@ def _hf_model(args):
 
     from runtime.bench.hf_peer import load_hf_model
 
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(args.dtype)
+    name = args.hf_dtype or args.dtype
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
     return load_hf_model(args.model, dtype, args.load_format == "dummy", args.seed)
 
 
@@ -118,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", default="runtime,hf", help=f"comma-separated, from {', '.join(BACKENDS)}")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="padded batch size of transformers generate")
     parser.add_argument("--hf-max-batch-tokens", type=int, default=2048, help="token budget of transformers generate_batch")
+    parser.add_argument("--hf-dtype", default=None, help="dtype of the transformers peer (default: --dtype)")
     parser.add_argument("--output-json", default=None, help="write the results here")
     parser.add_argument("--quiet", action="store_true")
     add_engine_args(parser)
