@@ -138,3 +138,24 @@ def test_plugins_command_json(plugin_manager, capsys):
     assert "runtime (built-in)" in out and "cpu" not in out.split("\n")[0]
     assert cli_main(["plugins", "--hook", "register_nothing"]) == 2
     assert "unknown hook 'register_nothing'" in capsys.readouterr().err
+
+
+def test_register_routes_adds_plugin_routes(plugin_manager):
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from runtime.entrypoints.openai.api_server import build_app
+    from runtime.metrics import EngineMetrics
+
+    class RoutesPlugin:
+        @hookimpl
+        def register_routes(self, app):
+            @app.get("/plugin/hello")
+            def hello():
+                return {"hello": "from a plugin"}
+
+    plugin_manager.register(RoutesPlugin(), "routes-plugin")
+    engine = SimpleNamespace(metrics=EngineMetrics("m"), model_config=SimpleNamespace(served_model_name="m"), is_dead=False)
+    app = build_app(SimpleNamespace(), engine)
+    assert TestClient(app).get("/plugin/hello").json() == {"hello": "from a plugin"}

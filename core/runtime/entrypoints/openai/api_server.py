@@ -141,6 +141,9 @@ def build_app(args, engine) -> FastAPI:
     install_error_handlers(app)
     _add_info_routes(app, ctx)
     _add_generation_routes(app, ctx)
+    from runtime.plugins import get_plugin_manager
+
+    get_plugin_manager().hook.register_routes(app=app)  # plugins add their own routes
     metrics = engine.metrics
     limit = getattr(args, "max_concurrent_requests", None)
     if limit:
