@@ -61,18 +61,21 @@ class Component:
 class Registry:
     """Named components of one kind, with errors that list the valid names."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, distribution_of: Callable[[str], str] | None = None):
         self.kind = kind
         self._components: dict[str, Component] = {}
+        # plugin name -> the distribution (package) that installed it, for error messages
+        self._distribution_of = distribution_of or (lambda plugin: plugin)
 
     def add(self, name: str, obj: Any, plugin: str, **options: Any) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r} registered a {self.kind} with invalid name {name!r}")
         if name in self._components:
             other = self._components[name].plugin
+            packages = f"{self._distribution_of(other)} and {self._distribution_of(plugin)}"
             raise PluginError(
-                f"{self.kind} {name!r} is registered by two plugins: {other!r} and {plugin!r}; "
-                f"uninstall one of them or limit loading with {ALLOW_LIST_ENV}"
+                f"{self.kind} {name!r} is registered by two plugins: {other!r} and {plugin!r} "
+                f"(packages {packages}); uninstall one of them or limit loading with {ALLOW_LIST_ENV}"
             )
         self._components[name] = Component(self.kind, name, obj, plugin, dict(options))
 
@@ -135,7 +138,9 @@ class PluginManager:
     def __init__(self, allow_list: list[str] | None = None, load_entry_points: bool = True):
         self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
-        self.registries: dict[str, Registry] = {kind: Registry(kind) for kind in REGISTRY_KINDS.values()}
+        self.registries: dict[str, Registry] = {
+            kind: Registry(kind, self._distribution_of) for kind in REGISTRY_KINDS.values()
+        }
         self.infos: dict[str, PluginInfo] = {}
         from runtime import builtins
 
@@ -210,6 +215,10 @@ class PluginManager:
                     raise PluginError(
                         f"plugin {name!r} failed in {hook_name}: {type(exc).__name__}: {exc}"
                     ) from exc
+
+    def _distribution_of(self, plugin: str) -> str:
+        info = self.infos.get(plugin)
+        return info.distribution if info is not None else plugin
 
     # ------------------------------------------------------------------ access
     def registry(self, kind: str) -> Registry:

@@ -46,7 +46,7 @@ class _Timer:
 
 
 def measure(num_requests: int = 256, prompt_len: int = 32, output_len: int = 64, warmup_steps: int = 5) -> dict:
-    from runtime import SamplingParams
+    from runtime import RequestOutputKind, SamplingParams
     from runtime.config import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
@@ -60,7 +60,10 @@ def measure(num_requests: int = 256, prompt_len: int = 32, output_len: int = 64,
     runner.model.forward = timer.wrap(runner.model.forward)
     runner.model.compute_logits = timer.wrap(runner.model.compute_logits)
     runner.sampler.forward = timer.wrap(runner.sampler.forward)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    # As LLM.generate does: only finished outputs are built.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     for i in range(num_requests):
         engine.add_request(str(i), {"prompt_token_ids": [(i * 7 + j) % 2000 + 10 for j in range(prompt_len)]}, params)
     overheads, totals = [], []

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from runtime.plugins import REGISTRY_KINDS
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("plugins", help="list plugins and what they registered")
+    from runtime.cli import plugins_install
+
+    parser = sub.add_parser("plugins", help="list, install and uninstall plugins")
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--hook", default=None, help="only plugins implementing this hook (e.g. register_platforms)")
+    # Read by runtime.cli.main before plugins load; accepted here too so that
+    # `runtime plugins --plugins cpu` works as well as `runtime --plugins cpu plugins`.
+    parser.add_argument("--plugins", default=argparse.SUPPRESS, help="comma-separated plugins to load ('' loads none)")
     parser.set_defaults(func=run)
+    plugin_sub = parser.add_subparsers(dest="plugins_command", metavar="{install,uninstall}")
+    plugins_install.add_parsers(plugin_sub)
 
 
 def collect(hook: str | None = None) -> list[dict]:

@@ -10,7 +10,7 @@ from runtime.config import EngineArgs
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -44,6 +44,13 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        # Offline callers only read finished outputs: skip building the partial ones.
+        final_only: dict[int, SamplingParams] = {}
+        for sp in params:
+            if id(sp) not in final_only:
+                final_only[id(sp)] = sp.clone()
+                final_only[id(sp)].output_kind = RequestOutputKind.FINAL_ONLY
+        params = [final_only[id(sp)] for sp in params]
         engine = self.llm_engine
         ids = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):

@@ -31,6 +31,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
         self.stats = PrefixCacheStats()
 
     @property
@@ -74,8 +75,20 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens; returns the new block ids, or
         None (changing nothing) when the pool cannot supply them."""
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is not None and not computed_blocks:
+            # A running request (usually one decode token): often no new block at all.
+            total = request.num_computed_tokens + num_new_tokens
+            num_needed = -(-total // self.block_size) - len(blocks)
+            if num_needed > self.pool.num_free_blocks:
+                return None
+            new_blocks = self.pool.allocate(num_needed) if num_needed > 0 else []
+            blocks.extend(new_blocks)
+            if self.enable_caching and total >= (self.num_cached_blocks.get(request.request_id, 0) + 1) * self.block_size:
+                self._cache_full_blocks(request, blocks, total)
+            return [b.block_id for b in new_blocks]
         computed_blocks = computed_blocks or []
-        blocks = self.req_blocks.get(request.request_id, [])
+        blocks = blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_needed = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
@@ -97,12 +110,14 @@ class KVCacheManager:
         """Index the blocks that will be full of known tokens after this step."""
         self._update_block_hashes(request)
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        for i in range(num_full):
+        for i in range(self.num_cached_blocks.get(request.request_id, 0), num_full):
             if blocks[i].block_hash is None:
                 self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(num_full, self.num_cached_blocks.get(request.request_id, 0))
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:

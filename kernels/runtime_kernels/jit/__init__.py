@@ -1,0 +1,1 @@
+"""The Triton kernels themselves. Importing any module here imports Triton."""

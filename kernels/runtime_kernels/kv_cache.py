@@ -1,0 +1,53 @@
+"""Writing new keys/values into the paged KV cache by slot, and its torch reference.
+
+A slot is ``block_id * block_size + offset``; the caches are
+``[num_blocks, block_size, num_kv_heads, head_size]`` (``kv_cache[0]`` and
+``kv_cache[1]`` of the ``[2, ...]`` layer tensor). Negative slots are skipped, so a
+padded batch (CUDA graphs) can mark its padding tokens with ``-1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime_kernels.utils import check_last_dim_contiguous, next_power_of_2, require_triton
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written
+    value_cache: torch.Tensor,  # same shape, written
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store token ``t``'s keys and values at cache slot ``slot_mapping[t]``."""
+    require_triton("reshape_and_cache")
+    from runtime_kernels.jit.kv_cache import reshape_and_cache_kernel
+
+    num_tokens, num_kv_heads, head_size = key.shape
+    if key_cache.shape[2:] != (num_kv_heads, head_size):
+        raise ValueError(f"key shape {tuple(key.shape)} does not fit cache shape {tuple(key_cache.shape)}")
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+        check_last_dim_contiguous(name, t)
+    if num_tokens == 0:
+        return
+    reshape_and_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        HEAD_SIZE=head_size,
+        HEAD_PAD=next_power_of_2(head_size),
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=key_cache.shape[1],
+    )
+
+
+def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """The same write with ``index_copy_`` over the flattened slots (skipping negative slots)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat_k = key_cache.view(-1, *key_cache.shape[2:])  # [num_slots, kv_heads, head_size]
+    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    flat_k.index_copy_(0, slots, key[keep].to(key_cache.dtype))
+    flat_v.index_copy_(0, slots, value[keep].to(value_cache.dtype))

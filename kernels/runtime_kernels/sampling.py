@@ -1,0 +1,85 @@
+"""Top-k / top-p filtering that avoids sorting the whole vocabulary (plain torch).
+
+The reference (``runtime.sample.filters``) sorts each ``[V]`` row for top-p. Here each
+row's ``num_candidates`` largest logits come from one ``torch.topk`` (a partial
+selection); top-k and top-p are decided among those candidates, with top-p's softmax
+denominator taken over the whole row by ``logsumexp``. A row whose kept set might reach
+past the candidates (top-k off and the candidates hold less than ``top_p`` of the
+mass) falls back to the reference for that row alone. Rows with neither filter are
+returned unchanged.
+
+Differences from the reference, all on measure-zero inputs: tokens tied with the k-th
+largest logit are kept only when they are among the candidates, and with ``top_p == 1``
+nothing is dropped (the reference also drops tokens whose probability underflows to 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_NUM_CANDIDATES = 1024
+
+
+def top_k_top_p_filter(
+    logits: torch.Tensor,  # [N, V] float
+    top_k: torch.Tensor | None,  # [N] int, 0 = off
+    top_p: torch.Tensor | None,  # [N] float, 1.0 = off
+    max_top_k: int | None = None,
+    num_candidates: int = DEFAULT_NUM_CANDIDATES,
+) -> torch.Tensor:
+    """``apply_top_p(apply_top_k(logits, top_k), top_p)`` with filtered tokens at -inf; a new tensor."""
+    if top_k is None and top_p is None:
+        return logits
+    num_rows, vocab = logits.shape
+    if top_k is not None and max_top_k is None:
+        max_top_k = int(top_k.max())
+    width = min(vocab, max(num_candidates, max_top_k or 0))
+    values, indices = logits.topk(width, dim=1)  # [N, width], descending
+    keep = torch.ones_like(values, dtype=torch.bool)
+    has_k = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
+    if top_k is not None:
+        has_k = top_k > 0
+        kth = values.gather(1, (top_k.clamp(min=1, max=width) - 1).long()[:, None])  # [N, 1]
+        keep = values >= kth.masked_fill(~has_k[:, None], float("-inf"))
+    has_p = torch.zeros_like(has_k) if top_p is None else top_p < 1.0
+    covered = has_k.clone()  # rows whose kept tokens are all candidates
+    if top_p is not None:
+        keep_p, enough_mass = _top_p_among_candidates(logits, values, keep, has_k, top_p)
+        keep = torch.where(has_p[:, None], keep_p, keep)
+        covered |= enough_mass
+    filtered = torch.full_like(logits, float("-inf")).scatter_(1, indices, values.masked_fill(~keep, float("-inf")))
+    result = torch.where((has_k | has_p)[:, None], filtered, logits)
+    fallback = (has_p & ~covered).nonzero().flatten()
+    if fallback.numel():
+        result[fallback] = top_k_top_p_filter_ref(
+            logits[fallback], None if top_k is None else top_k[fallback], top_p[fallback], max_top_k
+        )
+    return result
+
+
+def _top_p_among_candidates(logits, values, keep, has_k, top_p):
+    """Top-p over the candidates ``values`` [N, width] that survived top-k (``keep``).
+
+    Returns the new keep mask and, per row, whether the candidates hold at least
+    ``top_p`` of the probability (then no token outside them can be kept).
+    """
+    kept_values = values.masked_fill(~keep, float("-inf"))
+    denominator = torch.where(has_k, kept_values.logsumexp(dim=1), logits.logsumexp(dim=1))  # [N]
+    probs = (kept_values - denominator[:, None]).exp()  # [N, width], 0 where dropped
+    above = probs.cumsum(dim=1) - probs  # mass of the more likely tokens
+    keep_p = above < top_p[:, None]
+    keep_p[:, 0] = True  # the most likely token always stays
+    return keep & keep_p, probs.sum(dim=1) >= top_p
+
+
+def top_k_top_p_filter_ref(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, max_top_k: int | None = None
+) -> torch.Tensor:
+    """The sampler's own filters, in its order (top-k, then top-p over a full sort)."""
+    from runtime.sample.filters import apply_top_k, apply_top_p
+
+    if top_k is not None:
+        logits = apply_top_k(logits, top_k, max_top_k or max(1, int(top_k.max())))
+    if top_p is not None:
+        logits = apply_top_p(logits, top_p)
+    return logits

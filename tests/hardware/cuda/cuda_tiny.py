@@ -1,0 +1,53 @@
+"""Tiny random checkpoints without a tokenizer, and their transformers reference, for engine parity tests.
+
+The GPU machine lacks the package that ships the test tokenizer, so these models are
+written with a small vocabulary and the engine runs with ``skip_tokenizer_init``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "engine"))  # hf_reference
+
+from hf_reference import check_logprobs_close, check_outputs_equal, hf_greedy  # noqa: E402
+from tiny_models import _config, _perturb  # noqa: E402
+
+VOCAB_SIZE = 512
+PROMPT_LENS = [5, 17, 33, 9, 41]
+SHARED_PREFIX = 24
+
+__all__ = ["build_untokenized_model", "make_prompts", "reference_outputs", "check_outputs_equal", "check_logprobs_close"]
+
+
+def build_untokenized_model(arch: str, path, seed: int = 0) -> str:
+    """A tiny random float32 ``arch`` checkpoint (config + safetensors only) at ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config(arch, vocab_size=VOCAB_SIZE)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 0
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb(model)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    """Distinct prompts and prompts sharing a prefix (for prefix caching)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB_SIZE) for _ in range(SHARED_PREFIX)]
+    distinct = [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in PROMPT_LENS]
+    return distinct + [prefix + [rng.randrange(3, VOCAB_SIZE) for _ in range(n % 7 + 1)] for n in PROMPT_LENS[:3]]
+
+
+def reference_outputs(path: str, prompts: list[list[int]], num_new_tokens: int):
+    """transformers' greedy tokens and top-5 logprobs per step, on the CPU in float32."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_greedy(hf, prompts, num_new_tokens)

@@ -1,0 +1,82 @@
+"""On a GPU: greedy tokens of the engine with each CUDA attention backend identical to transformers.
+
+The engine runs in float32 on the GPU, transformers in float32 on the CPU; every
+architecture is checked in settings that exercise prefix caching, chunked prefill and
+preemption. Also: the KV cache sized from ``gpu_memory_utilization`` fits the card.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+
+from cuda_tiny import build_untokenized_model, check_logprobs_close, check_outputs_equal, make_prompts, reference_outputs
+
+pytestmark = pytest.mark.gpu
+
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
+BACKENDS = ["triton", "sdpa"]
+NUM_NEW_TOKENS = 32
+KV_BYTES = 256 << 20  # keep tests light; memory sizing is tested on its own below
+SETTINGS = {
+    "default": dict(),
+    "prefix_caching": dict(enable_prefix_caching=True, block_size=4),
+    "chunked_prefill": dict(max_num_batched_tokens=8, enable_prefix_caching=False),
+    "preemption": dict(num_gpu_blocks_override=24, block_size=4, max_model_len=96, max_num_batched_tokens=64),
+}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def reference(request, tmp_path_factory):
+    path = build_untokenized_model(request.param, tmp_path_factory.mktemp(request.param))
+    prompts = make_prompts()
+    return request.param, path, prompts, reference_outputs(path, prompts, NUM_NEW_TOKENS)
+
+
+def cuda_llm(path, backend, **kwargs) -> LLM:
+    kwargs.setdefault("kv_cache_memory_bytes", KV_BYTES)
+    return LLM(path, platform="cuda", attention_backend=backend, dtype="float32", skip_tokenizer_init=True, **kwargs)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_matches_transformers_on_gpu(reference, backend, setting):
+    arch, path, prompts, expected = reference
+    llm = cuda_llm(path, backend, **SETTINGS[setting])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5, detokenize=False)
+    for _ in range(2 if setting == "prefix_caching" else 1):  # the second run reads cached prefixes
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        label = f"{arch}/{backend}/{setting}"
+        check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], label)
+        for (_, ref_steps), out in zip(expected, outputs):
+            check_logprobs_close(ref_steps, out.outputs[0].logprobs, atol=2e-3, label=label)
+    scheduler = llm.llm_engine.engine_core.scheduler
+    if setting == "prefix_caching":
+        assert scheduler.kv_cache_manager.stats.hits > 0
+    if setting == "preemption":
+        assert scheduler.num_preemptions > 0
+
+
+def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
+    path = build_untokenized_model("qwen3", tmp_path / "m")
+    gc.collect()  # engines of earlier tests give their memory back first
+    torch.cuda.empty_cache()
+    llm = LLM(path, platform="cuda", dtype="bfloat16", skip_tokenizer_init=True, gpu_memory_utilization=0.5)
+    total = torch.cuda.mem_get_info()[1]
+    used_by_us = torch.cuda.memory_reserved()
+    assert 0.3 * total < used_by_us <= 0.5 * total, (used_by_us / 2**30, total / 2**30)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_auto_detection_picks_cuda_and_triton(tmp_path):
+    path = build_untokenized_model("llama", tmp_path / "m")
+    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=KV_BYTES)
+    config = llm.llm_engine.config.device_config
+    assert config.platform == "cuda"
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    assert runner.attn_backend.name == "triton" and runner.kv_caches[0].is_cuda

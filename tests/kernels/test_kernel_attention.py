@@ -1,0 +1,121 @@
+"""unified_attention (Triton) against unified_attention_ref (plain torch) on mixed batches.
+
+Batches mix prefills with and without cached context, chunks longer than one query
+block and decodes, over shuffled block tables, with GQA, sliding windows and
+soft-capping. The reference is itself checked against a per-token loop.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from runtime_kernels.attention import (  # noqa: E402
+    attention_tiles,
+    num_kv_segments,
+    unified_attention,
+    unified_attention_ref,
+)
+
+from kernel_testing import BF16_TOL  # noqa: E402
+
+# (tokens already cached, new tokens this step) per request.
+MIXED = [(0, 9), (7, 1), (0, 1), (13, 1), (4, 6), (11, 19), (2, 1), (30, 1)]
+
+
+def make_batch(requests, num_heads, num_kv_heads, head_size, block_size, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in requests]
+    num_blocks = sum(math.ceil(s / block_size) for s in seq_lens) + 3
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(math.ceil(s / block_size))] for s in seq_lens]
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    q_lens = [q for _, q in requests]
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), num_heads, head_size, generator=gen)
+    to = dict(device=device)
+    return (query.to(dtype=dtype, **to), kv.to(dtype=dtype, **to), qsl.to(**to),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device), table.to(**to), max(q_lens))
+
+
+def run_both(batch, scale, window=None, softcap=None, num_segments=None):
+    query, kv, qsl, seq_lens, table, max_q = batch
+    out = torch.full_like(query, float("nan"))
+    unified_attention(query, kv[0], kv[1], out, qsl, seq_lens, table, max_q, scale, window, softcap,
+                      num_segments=num_segments)
+    ref = unified_attention_ref(query, kv[0], kv[1], qsl, seq_lens, table, scale, window, softcap)
+    return out, ref
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_size, block_size, window, softcap",
+    [
+        (4, 2, 64, 16, None, None),  # GQA, plain causal
+        (4, 4, 128, 8, 5, None),  # MHA, sliding window shorter than a block
+        (6, 2, 256, 16, 12, 30.0),  # group of 3 (not a power of two), window + soft-cap
+        (7, 1, 64, 4, None, 5.0),  # MQA with a 7-head group, small blocks
+    ],
+)
+def test_matches_reference_on_mixed_batch(device, num_heads, num_kv_heads, head_size, block_size, window, softcap):
+    batch = make_batch(MIXED, num_heads, num_kv_heads, head_size, block_size, torch.float32, device)
+    out, ref = run_both(batch, head_size**-0.5, window, softcap)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_only_batch_uses_small_tiles(device):
+    requests = [(c, 1) for c in (0, 5, 16, 33, 1)]
+    assert attention_tiles(1, 2, 64).block_m == 16
+    batch = make_batch(requests, 4, 2, 64, 16, torch.float32, device, seed=1)
+    out, ref = run_both(batch, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "requests, num_segments, window, softcap",
+    [
+        ([(0, 1), (40, 1), (130, 1)], 4, None, None),  # decodes, some segments see no key
+        ([(0, 9), (7, 1), (30, 3)], 2, 7, 10.0),  # the split path also serves prefill chunks
+    ],
+)
+def test_split_kv_segments(device, requests, num_segments, window, softcap):
+    batch = make_batch(requests, 4, 2, 64, 16, torch.float32, device, seed=4)
+    out, ref = run_both(batch, 0.125, window, softcap, num_segments=num_segments)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_segments_only_for_small_decode_batches():
+    assert num_kv_segments(1, 4096, 2, 8, 64, torch.device("cpu")) == 16  # 16 programs, long context
+    assert num_kv_segments(1, 300, 2, 8, 64, torch.device("cpu")) == 1  # too short to split
+    assert num_kv_segments(1, 4096, 256, 8, 64, torch.device("cpu")) == 1  # the GPU is full already
+    assert num_kv_segments(5, 4096, 2, 8, 64, torch.device("cpu")) == 1  # prefill present
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(device, dtype):
+    batch = make_batch(MIXED[:4], 4, 2, 64, 16, dtype, device, seed=2)
+    out, ref = run_both(batch, 0.125, window=9)
+    torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_reference_matches_per_token_loop():
+    requests = [(3, 2), (0, 3)]
+    query, kv, qsl, seq_lens, table, _ = make_batch(requests, 4, 2, 16, 4, torch.float32, "cpu", seed=3)
+    ref = unified_attention_ref(query, kv[0], kv[1], qsl, seq_lens, table, 0.25, sliding_window=3, softcap=2.0)
+    for req, (context, q_len) in enumerate(requests):
+        blocks = table[req].long()
+        for i in range(q_len):
+            pos, row = context + i, int(qsl[req]) + i
+            for h in range(4):
+                keys = range(max(0, pos - 2), pos + 1)
+                k = torch.stack([kv[0, blocks[p // 4], p % 4, h // 2] for p in keys])
+                v = torch.stack([kv[1, blocks[p // 4], p % 4, h // 2] for p in keys])
+                weights = (torch.tanh(k @ query[row, h] * 0.25 / 2.0) * 2.0).softmax(0)
+                torch.testing.assert_close(ref[row, h], weights @ v, atol=1e-5, rtol=1e-5)

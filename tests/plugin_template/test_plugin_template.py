@@ -1,0 +1,151 @@
+"""The plugin template, end to end.
+
+Render it with `cookiecutter --no-input`, install the result with `runtime plugins
+install -e`, check that `runtime plugins --json` (a fresh process) lists it, generate
+text with the attention backend it registers, run the generated project's own tests,
+then `runtime plugins uninstall` it.
+"""
+
+import importlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+
+import pytest
+import torch
+import yaml
+
+from runtime import LLM, SamplingParams, plugins
+from runtime.cli import main as cli
+
+from tiny_models import build_tiny_model
+
+TEMPLATE = pathlib.Path(__file__).resolve().parents[2] / "plugin-template"
+# Unique per process, so that concurrent runs of this suite do not share an installation.
+PLUGIN_NAME = f"Tmpl Check {os.getpid()}"
+HYPHENATED = PLUGIN_NAME.lower().replace(" ", "-")
+UNDERSCORED = HYPHENATED.replace("-", "_")
+DISTRIBUTION = f"runtime-plugin-{HYPHENATED}"
+MODULE = f"runtime_{UNDERSCORED}"
+BACKEND = f"{UNDERSCORED}_sdpa"
+
+
+def _run(*args, cwd=None, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != plugins.ALLOW_LIST_ENV}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rendered")
+    result = _run(
+        "-m", "cookiecutter", "--no-input", str(TEMPLATE), "-o", str(out),
+        f"plugin_name={PLUGIN_NAME}", "description=A test plugin",
+    )
+    assert result.returncode == 0, result.stderr
+    return out / DISTRIBUTION
+
+
+@pytest.fixture(scope="module")
+def installed(project):
+    """The rendered project installed (editable) with `runtime plugins install`; uninstalled afterwards."""
+    saved = plugins._manager
+    # The editable install's import hook is read at interpreter start; this process
+    # imports the module from the project folder instead.
+    sys.path.insert(0, str(project))
+    try:
+        argv = ["plugins", "install", "-e", str(project), "--no-deps", "--no-build-isolation"]
+        assert cli.main(argv) == 0
+        importlib.invalidate_caches()
+        yield project
+    finally:
+        plugins.reset_plugin_manager(None)  # a manager loaded now would import the plugin: keep it off
+        rc = cli.main(["--plugins", "", "plugins", "uninstall", DISTRIBUTION, "-y"])
+        os.environ.pop(plugins.ALLOW_LIST_ENV, None)
+        plugins.reset_plugin_manager(saved)
+        sys.path.remove(str(project))
+        for name in [m for m in sys.modules if m == MODULE or m.startswith(MODULE + ".")]:
+            del sys.modules[name]
+        assert rc == 0
+        with pytest.raises(metadata.PackageNotFoundError):
+            metadata.distribution(DISTRIBUTION)
+
+
+def test_rendered_files(project):
+    files = sorted(str(p.relative_to(project)) for p in project.rglob("*") if p.is_file())
+    assert files == sorted([
+        ".github/workflows/ci.yml", ".gitignore", "README.md", "pyproject.toml",
+        f"{MODULE}/__init__.py", f"{MODULE}/attention.py", f"{MODULE}/torch_paged.py",
+        f"tests/test_{UNDERSCORED}.py",
+    ])
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert pyproject["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert pyproject["project"]["name"] == DISTRIBUTION
+    assert pyproject["project"]["description"] == "A test plugin"
+    assert pyproject["project"]["dependencies"] == ["runtime"]
+    assert pyproject["project"]["entry-points"]["runtime"] == {HYPHENATED: MODULE}
+    workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
+    steps = workflow["jobs"]["test"]["steps"]
+    assert steps[1]["with"]["python-version"] == "${{ matrix.python-version }}"  # kept for GitHub, not Jinja
+    assert any("pytest" in step.get("run", "") for step in steps)
+    source = (project / MODULE / "__init__.py").read_text()
+    for hook in ("platforms", "quant_methods", "proposers", "kv_tiers", "executors", "models",
+                 "guided_backends", "commands", "routes"):
+        assert f"# def register_{hook}(" in source  # a commented example of every other hook
+    for path in project.rglob("*"):
+        if path.is_file():
+            assert "cookiecutter" not in path.read_text(), path
+
+
+def test_invalid_plugin_name_is_refused(tmp_path):
+    result = _run("-m", "cookiecutter", "--no-input", str(TEMPLATE), "-o", str(tmp_path), "plugin_name=9 lives")
+    assert result.returncode != 0
+    assert "not a valid Python identifier" in result.stderr + result.stdout
+    assert not any(tmp_path.iterdir())
+
+
+def test_listed_by_runtime_plugins_in_a_fresh_process(installed):
+    result = _run("-m", "runtime.cli.main", "plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert rows[HYPHENATED]["distribution"] == DISTRIBUTION
+    assert rows[HYPHENATED]["version"] == "0.1.0"
+    assert rows[HYPHENATED]["registered"] == {"attention_backend": [BACKEND]}
+    assert rows[HYPHENATED]["hooks"] == ["register_attention_backends"]
+    # --plugins loads only the named plugin (and the core)
+    result = _run("-m", "runtime.cli.main", "plugins", "--plugins", HYPHENATED, "--json")
+    assert result.returncode == 0, result.stderr
+    assert {row["name"] for row in json.loads(result.stdout)} == {plugins.BUILTIN_PLUGIN_NAME, HYPHENATED}
+
+
+def test_backend_selected_by_flag_and_used_in_generation(installed, plugin_manager, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    assert plugin_manager.infos[HYPHENATED].distribution == DISTRIBUTION  # loaded from its entry point
+    backend_cls = importlib.import_module(f"{MODULE}.attention").__dict__[
+        "".join(part.capitalize() for part in UNDERSCORED.split("_")) + "AttentionBackend"
+    ]
+    path = build_tiny_model("llama", tmp_path / "llama")
+    prompt = [1, 523, 4021, 88, 1307, 42, 9]
+    calls = backend_cls.forward_calls
+    llm = LLM(path, attention_backend=BACKEND, dtype="float32", max_model_len=64, block_size=8)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert type(llm.llm_engine.engine_core.executor.worker.model_runner.attn_backend) is backend_cls
+    # prefill + 7 decode steps, each through both layers
+    assert backend_cls.forward_calls - calls == 8 * 2
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        for _ in range(8):  # greedy, ignoring EOS like the request
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert list(out[0].outputs[0].token_ids) == ids[0, len(prompt):].tolist()
+
+
+def test_generated_projects_own_tests_pass(installed):
+    result = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", cwd=installed)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
