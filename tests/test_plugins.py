@@ -60,14 +60,20 @@ def test_unregister_removes_components(fake_plugin):
     assert select_platform().name == "cpu"
 
 
-def test_unknown_name_lists_installed_and_providers(plugin_manager):
+def test_unknown_name_lists_installed_and_providers(monkeypatch):
+    # Only the CPU plugin loads, whatever else is installed here.
+    manager = plugins.PluginManager(["cpu"])
     with pytest.raises(ValueError) as err:
-        plugin_manager.registry("attention_backend").get("triton")
+        manager.registry("attention_backend").get("triton")
     msg = str(err.value)
-    assert "unknown attention backend 'triton'" in msg
-    assert "installed: cpu_paged" in msg and "runtime-plugin-cuda" in msg
-    with pytest.raises(ValueError, match="unknown platform 'tpu'; installed: cpu"):
-        select_platform("tpu")
+    assert "unknown attention backend 'triton'; installed: cpu_paged" in msg
+    assert "runtime-plugin-cuda provides 'triton'" in msg
+    plugins.reset_plugin_manager(manager)
+    try:
+        with pytest.raises(ValueError, match="unknown platform 'tpu'; installed: cpu"):
+            select_platform("tpu")
+    finally:
+        plugins.reset_plugin_manager(None)
 
 
 def test_two_plugins_registering_one_name_is_an_error(plugin_manager):
@@ -159,3 +165,20 @@ def test_register_routes_adds_plugin_routes(plugin_manager):
     engine = SimpleNamespace(metrics=EngineMetrics("m"), model_config=SimpleNamespace(served_model_name="m"), is_dead=False)
     app = build_app(SimpleNamespace(), engine)
     assert TestClient(app).get("/plugin/hello").json() == {"hello": "from a plugin"}
+
+
+def test_plugin_management_works_beside_a_broken_plugin(tmp_path, monkeypatch, capsys):
+    make_distribution(tmp_path, "runtime-plugin-broken2", "broken2", "broken2_plugin_mod", "raise ImportError('gone')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("RUNTIME_PLUGINS", raising=False)
+    plugins.reset_plugin_manager(None)
+    try:
+        assert cli_main(["plugins"]) == 2
+        assert "plugin 'broken2' (broken2_plugin_mod) failed to load" in capsys.readouterr().err
+        # uninstalling must not need the broken plugin to import
+        assert cli_main(["plugins", "uninstall", "no-such-plugin", "-y"]) != 0
+        err = capsys.readouterr().err
+        assert "failed to load" not in err and "no-such-plugin" in err
+    finally:
+        plugins.reset_plugin_manager(None)
+        sys.modules.pop("broken2_plugin_mod", None)

@@ -1,7 +1,6 @@
 """CLI and selection tests: the GPU plugins are pure Python, imported from the source tree when not installed."""
 
 import importlib.util
-import os
 import pathlib
 import sys
 

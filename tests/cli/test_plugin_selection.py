@@ -48,7 +48,7 @@ def devices(monkeypatch):
     def simulate(*names):
         monkeypatch.setattr(FakeCudaPlatform, "available", "cuda" in names)
         monkeypatch.setattr(torch.version, "hip", "6.2-simulated" if "rocm" in names else None)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1 if "rocm" in names else 0)
+        monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: 1 if "rocm" in names else 0)
         monkeypatch.setattr(torch.xpu, "is_available", lambda: "xpu" in names)
 
     simulate()

@@ -5,7 +5,6 @@ tests/plugin_template/, on the project the template generates.
 """
 
 import json
-import os
 import sys
 
 import pytest

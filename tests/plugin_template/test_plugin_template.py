@@ -101,6 +101,19 @@ def test_rendered_files(project):
             assert "cookiecutter" not in path.read_text(), path
 
 
+def test_prompts_for_name_and_description(tmp_path):
+    answers = 'Fancy Attn\nA "fancy" \\ backend\n'
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", str(TEMPLATE), "-o", str(tmp_path)],
+        input=answers, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Plugin name" in result.stdout and "description" in result.stdout
+    pyproject = tomllib.loads((tmp_path / "runtime-plugin-fancy-attn" / "pyproject.toml").read_text())
+    assert pyproject["project"]["description"] == 'A "fancy" \\ backend'
+    assert (tmp_path / "runtime-plugin-fancy-attn" / "runtime_fancy_attn" / "attention.py").exists()
+
+
 def test_invalid_plugin_name_is_refused(tmp_path):
     result = _run("-m", "cookiecutter", "--no-input", str(TEMPLATE), "-o", str(tmp_path), "plugin_name=9 lives")
     assert result.returncode != 0

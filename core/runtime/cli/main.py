@@ -7,7 +7,7 @@ import os
 import sys
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load_plugins: bool = True) -> argparse.ArgumentParser:
     from runtime.cli import bench, plugins_cmd, serve
     from runtime.plugins import get_plugin_manager
 
@@ -17,8 +17,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     plugins_cmd.register(sub)
     bench.register(sub)
-    get_plugin_manager().hook.register_commands(cli=sub)
+    if load_plugins:
+        get_plugin_manager().hook.register_commands(cli=sub)
     return parser
+
+
+def _manages_plugins(argv: list[str]) -> bool:
+    """``runtime plugins install|uninstall`` must work even when an installed plugin is broken."""
+    words = [a for a in argv if not a.startswith("-")]
+    return len(words) >= 2 and words[0] == "plugins" and words[1] in ("install", "uninstall")
 
 
 def _apply_plugin_allow_list(argv: list[str]) -> list[str]:
@@ -36,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = _apply_plugin_allow_list(list(sys.argv[1:] if argv is None else argv))
     try:
-        parser = build_parser()
+        parser = build_parser(load_plugins=not _manages_plugins(argv))
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()

@@ -1,4 +1,4 @@
-"""``runtime plugins``: what is installed and what each plugin registered."""
+"""``runtime plugins``: what is installed and what each plugin registered; install and uninstall."""
 
 from __future__ import annotations
 

@@ -1,13 +1,55 @@
-"""The ROCm platform: AMD GPUs, which a HIP build of torch exposes as ``torch.cuda``."""
+"""The ROCm platform: AMD GPUs, which a HIP build of torch exposes as ``torch.cuda``.
+
+Detection must not start the HIP runtime: the front-end process picks the platform
+and may fork workers later, and HIP, like CUDA, cannot be used in a child forked
+after it started. :func:`rocm_device_count` therefore asks amdsmi (through torch's
+``_device_count_amdsmi``, which honours ``HIP_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``)
+and, when amdsmi is missing, counts devices in a short-lived child process.
+"""
 
 from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
 
 import torch
 
 from runtime.platforms import Platform
 
+logger = logging.getLogger(__name__)
+
 # Kept free for activations until the model runner profiles a forward pass.
 ACTIVATION_RESERVE_BYTES = 512 << 20
+PROBE_TIMEOUT_S = 60
+VISIBLE_DEVICES_ENVS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def rocm_device_count() -> int:
+    """Visible AMD GPUs, without starting HIP in this process; 0 on non-HIP builds."""
+    if not getattr(torch.version, "hip", None):
+        return 0
+    if torch.cuda.is_initialized():
+        return torch.cuda.device_count()
+    count = getattr(torch.cuda, "_device_count_amdsmi", lambda: -1)()
+    if count >= 0:
+        return count
+    return probe_in_subprocess(tuple(os.environ.get(name) for name in VISIBLE_DEVICES_ENVS))
+
+
+@functools.cache
+def probe_in_subprocess(visible_devices: tuple[str | None, ...]) -> int:
+    """``torch.cuda.device_count()`` in a child process, so that HIP starts there only."""
+    del visible_devices  # only the cache key: the child inherits the environment
+    code = "import torch; print(torch.cuda.device_count())"
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        return int(result.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError) as exc:
+        logger.warning("could not count ROCm devices (amdsmi unavailable, probe failed: %s)", exc)
+        return 0
 
 
 def kv_cache_budget(free: int, total: int, utilization: float, reserve: int = ACTIVATION_RESERVE_BYTES) -> int:
@@ -36,13 +78,14 @@ class RocmPlatform(Platform):
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def is_available(self) -> bool:
-        # torch.version.hip is set only in HIP builds. device_count() asks amdsmi
-        # first, which does not initialize HIP, so a later fork of the process works.
-        if not getattr(torch.version, "hip", None):
-            return False
-        return torch.cuda.device_count() > 0
+        return rocm_device_count() > 0
 
     def device(self, local_rank: int = 0) -> torch.device:
+        """The worker's GPU, made current (Triton launches on the current device); starts HIP."""
+        count = torch.cuda.device_count()
+        if not 0 <= local_rank < count:
+            raise ValueError(f"local rank {local_rank} has no GPU; visible ROCm devices: {count}")
+        torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
 
     def total_memory_bytes(self) -> int:

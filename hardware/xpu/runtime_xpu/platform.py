@@ -59,6 +59,11 @@ class XpuPlatform(Platform):
         return xpu is not None and xpu.is_available()
 
     def device(self, local_rank: int = 0) -> torch.device:
+        """The worker's GPU, made current (Triton launches on the current device)."""
+        count = torch.xpu.device_count()
+        if not 0 <= local_rank < count:
+            raise ValueError(f"local rank {local_rank} has no GPU; visible XPU devices: {count}")
+        torch.xpu.set_device(local_rank)
         return torch.device("xpu", local_rank)
 
     def total_memory_bytes(self) -> int:

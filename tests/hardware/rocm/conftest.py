@@ -18,7 +18,7 @@ GiB = 1 << 30
 
 def _must_not_run(name):
     def fail(*args, **kwargs):
-        raise AssertionError(f"platform detection called torch.cuda.{name}, which initializes HIP")
+        raise AssertionError(f"torch.cuda.{name} was called, which starts HIP")
 
     return fail
 
@@ -39,9 +39,13 @@ def rocm_manager():
 
 @pytest.fixture
 def fake_amd_gpu(monkeypatch):
-    """A HIP build of torch with two devices, 16 GiB each, 4 GiB in use; no HIP initialization allowed."""
+    """A HIP build of torch whose amdsmi sees two devices, 16 GiB each, 4 GiB in use.
+
+    Everything that would start HIP raises, so detection is checked not to touch it;
+    a test that goes on to pick a device patches ``device_count`` itself.
+    """
     monkeypatch.setattr(torch.version, "hip", "6.2.41133-simulated")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: 2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (12 * GiB, 16 * GiB))
-    for name in ("init", "_lazy_init", "current_device", "is_available"):
+    for name in ("init", "_lazy_init", "current_device", "is_available", "device_count", "set_device"):
         monkeypatch.setattr(torch.cuda, name, _must_not_run(name))

@@ -16,7 +16,8 @@ from runtime.platforms import select_platform
 
 import runtime_rocm
 from runtime_rocm import triton_backend
-from runtime_rocm.platform import ACTIVATION_RESERVE_BYTES, RocmPlatform
+from runtime_rocm import platform as rocm_platform
+from runtime_rocm.platform import ACTIVATION_RESERVE_BYTES, RocmPlatform, rocm_device_count
 
 GiB = 1 << 30
 ROCM_DIR = pathlib.Path(__file__).resolve().parents[3] / "hardware" / "rocm"
@@ -31,20 +32,41 @@ def test_pyproject_entry_point():
 
 def test_not_available_on_a_cpu_build_of_torch(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a CUDA (not HIP) build with a GPU
+    monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: 1)
     assert not RocmPlatform().is_available()
+    assert rocm_device_count() == 0
 
 
 def test_hip_build_without_devices(fake_amd_gpu, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: 0)
     assert not RocmPlatform().is_available()
 
 
-def test_detected_without_initializing_hip(fake_amd_gpu):
+def test_detected_without_starting_hip(fake_amd_gpu, monkeypatch):
     platform = RocmPlatform()
-    assert platform.is_available()  # fake_amd_gpu makes torch.cuda.init & co raise
-    assert platform.device(1) == torch.device("cuda", 1)
+    assert platform.is_available()  # fake_amd_gpu makes torch.cuda.init, device_count & co raise
     assert (platform.dist_backend, platform.default_attention_backend) == ("nccl", "triton")
+    # the worker's device() may start HIP: it makes the local rank's GPU current
+    current = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    assert platform.device(1) == torch.device("cuda", 1) and current == [1]
+    with pytest.raises(ValueError, match="local rank 2 has no GPU; visible ROCm devices: 2"):
+        platform.device(2)
+
+
+def test_without_amdsmi_devices_are_counted_in_a_child_process(fake_amd_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: -1)
+    seen = []
+    monkeypatch.setattr(rocm_platform, "probe_in_subprocess", lambda envs: seen.append(envs) or 3)
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "0,1,2")
+    assert rocm_device_count() == 3
+    assert seen[0][0] == "0,1,2"
+
+
+def test_probe_subprocess_reads_the_childs_count():
+    # The child runs this machine's CPU build of torch: no devices.
+    assert rocm_platform.probe_in_subprocess.__wrapped__((None, None, None)) == 0
 
 
 def test_auto_detection_prefers_rocm_over_cpu(rocm_manager, fake_amd_gpu):

@@ -32,11 +32,16 @@ def test_not_available_without_a_device(monkeypatch):
     assert not XpuPlatform().is_available()
 
 
-def test_detected_through_torch_xpu(fake_intel_gpu):
+def test_detected_through_torch_xpu(fake_intel_gpu, monkeypatch):
     platform = XpuPlatform()
     assert platform.is_available()
-    assert platform.device(1) == torch.device("xpu", 1)
     assert platform.default_attention_backend == "triton"
+    current = []
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.xpu, "set_device", current.append)
+    assert platform.device(1) == torch.device("xpu", 1) and current == [1]
+    with pytest.raises(ValueError, match="local rank 2 has no GPU; visible XPU devices: 2"):
+        platform.device(2)
 
 
 def test_auto_detection_prefers_xpu_over_cpu(xpu_manager, fake_intel_gpu):
