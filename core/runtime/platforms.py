@@ -40,8 +40,8 @@ class Platform:
     def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
         return config_dtype
 
-    def set_threads(self, parallel_config) -> None:
-        """Apply thread settings before the model runs (CPU platforms)."""
+    def set_threads(self, num_threads: int | None) -> None:
+        """Apply thread settings before the model runs (``--cpu-num-threads``; CPU platforms)."""
 
     def synchronize(self) -> None:
         pass

@@ -105,3 +105,13 @@ def test_priority_argument(llm):
     assert [o.request_id for o in outs] == sorted(o.request_id for o in outs)
     with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1], use_tqdm=False)
+
+
+def test_min_tokens_holds_back_eos(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    forced = dict(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0})
+    early = llm.generate("hi", SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    assert early.token_ids == [eos] and early.finish_reason == "stop"
+    held = llm.generate("hi", SamplingParams(min_tokens=4, **forced), use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) == 5 and held.token_ids[-1] == eos and eos not in held.token_ids[:4]
+    assert held.finish_reason == "stop"

@@ -19,6 +19,8 @@ def load_hf_model(model: str, dtype: torch.dtype | None, dummy: bool, seed: int)
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     else:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", **kwargs)
+    if torch.cuda.is_available():
+        hf = hf.to("cuda")
     return hf.eval()
 
 
@@ -31,8 +33,8 @@ def hf_generate_padded(model, workload, batch_size: int) -> float:
         prompts = workload.prompts[lo : lo + batch_size]
         new_tokens = max(workload.output_lens[lo : lo + batch_size])
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         model.generate(
             input_ids=ids,
             attention_mask=mask,

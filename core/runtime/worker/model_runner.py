@@ -19,13 +19,13 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROBS_CHUNK = 512  # positions per logits matmul when computing prompt logprobs
 
 
-def step_generator(seed: int, num_output_tokens: int) -> torch.Generator:
+def step_generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
     """A generator for one sampled position of a seeded request.
 
     Deriving it from (seed, position) keeps seeded outputs identical whatever the
     batch, and across preemption and recompute.
     """
-    return torch.Generator().manual_seed(hash((seed, num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.Generator(device=device).manual_seed(hash((seed, num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 class ModelRunner:
@@ -139,7 +139,7 @@ class ModelRunner:
         from runtime.sample.metadata import build_sampling_metadata
 
         generators = [
-            step_generator(s.sampling_params.seed, len(s.output_token_ids)) if s.sampling_params.seed is not None else None
+            step_generator(s.sampling_params.seed, len(s.output_token_ids), self.device) if s.sampling_params.seed is not None else None
             for s in states
         ]
         return build_sampling_metadata(

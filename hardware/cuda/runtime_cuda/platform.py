@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -91,6 +92,24 @@ class CudaPlatform(Platform):
             budget / 2**30, snapshot.total / 2**30, cache_config.gpu_memory_utilization, model_memory_bytes / 2**30,
         )
         return budget
+
+    def custom_ops(self) -> dict[str, Callable]:
+        """Fused Triton ops the models could use on this platform (not consulted by core yet).
+
+        Each has the signature of its ``runtime_kernels`` function: ``rms_norm``,
+        ``fused_add_rms_norm``, ``rotary_embedding`` (in place, from a cos/sin cache),
+        ``silu_and_mul``.
+        """
+        from runtime_kernels.activation import silu_and_mul
+        from runtime_kernels.norm import fused_add_rms_norm, rms_norm
+        from runtime_kernels.rotary import rotary_embedding
+
+        return {
+            "rms_norm": rms_norm,
+            "fused_add_rms_norm": fused_add_rms_norm,
+            "rotary_embedding": rotary_embedding,
+            "silu_and_mul": silu_and_mul,
+        }
 
     def set_threads(self, *args, **kwargs) -> None:
         """GPU work needs no thread settings."""

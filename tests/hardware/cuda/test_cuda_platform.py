@@ -71,3 +71,9 @@ def test_explicit_kv_cache_bytes_win():
     from runtime.config import CacheConfig
 
     assert CudaPlatform().kv_cache_memory_bytes(CacheConfig(kv_cache_memory_bytes=123456), 10) == 123456
+
+
+def test_custom_ops_name_the_kernels():
+    ops = CudaPlatform().custom_ops()
+    assert sorted(ops) == ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+    assert ops["silu_and_mul"].__module__ == "runtime_kernels.activation"

@@ -1,0 +1,67 @@
+"""Compile every kernel of runtime-kernels for an H100 (sm_90) without a GPU.
+
+Run as a script with ``TRITON_INTERPRET`` unset (Triton cannot switch modes inside one
+process): ``python tests/kernels/kernel_aot.py``. Exits non-zero on the first error.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_sm90(fn, signature: dict, constants: dict, num_warps: int = 4) -> None:
+    signature = {**signature, **{name: "constexpr" for name in constants}}
+    kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGET, options={"num_warps": num_warps})
+    assert kernel.asm["cubin"]
+
+
+def attention_signature(dtype: str) -> dict:
+    sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+           "partial_ptr": "*fp32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
+           "scale": "fp32", "softcap": "fp32", "window": "i32", "num_reqs": "i32"}
+    strides = ["q_tok", "q_head", "o_tok", "o_head", "k_block", "k_slot", "k_head", "v_block", "v_slot", "v_head", "table"]
+    return sig | {f"stride_{s}": "i32" for s in strides}
+
+
+def compile_attention(dtype, head, group, block_m, window, softcap, segments):
+    from runtime_kernels.jit import attention as jit
+
+    constants = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_Q=block_m // group,
+                     BLOCK_M=block_m, TILE_N=64, USE_WINDOW=window, USE_SOFTCAP=softcap,
+                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, NUM_SEGMENTS=segments)
+    compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype), constants)
+    if segments > 1:
+        sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_o_tok": "i32", "stride_o_head": "i32"}
+        compile_for_sm90(jit.merge_segments_kernel, sig, dict(HEAD_SIZE=head, HEAD_PAD=head, NUM_SEGMENTS=segments))
+
+
+def compile_elementwise():
+    load = importlib.import_module
+    strides = ["k_tok", "k_head", "v_tok", "v_head", "kc_block", "kc_slot", "kc_head", "vc_block", "vc_slot", "vc_head"]
+    sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+           "slot_mapping_ptr": "*i64", "num_kv_heads": "i32"} | {f"stride_{s}": "i32" for s in strides}
+    compile_for_sm90(load("runtime_kernels.jit.kv_cache").reshape_and_cache_kernel, sig,
+                     dict(HEAD_SIZE=128, HEAD_PAD=128, HEADS_PAD=8, BLOCK_SIZE=16))
+    sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_out_ptr": "*bf16",
+           "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32", "hidden": "i32", "eps": "fp32"}
+    compile_for_sm90(load("runtime_kernels.jit.norm").rms_norm_kernel, sig, dict(HAS_RESIDUAL=True, GEMMA=False, BLOCK_N=1024))
+    sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "cos_sin_ptr": "*fp32", "stride_q_tok": "i32",
+           "stride_q_head": "i32", "stride_k_tok": "i32", "stride_k_head": "i32", "stride_cache": "i32",
+           "num_q_heads": "i32", "num_k_heads": "i32"}
+    compile_for_sm90(load("runtime_kernels.jit.rotary").rotary_kernel, sig,
+                     dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=16, K_HEADS_PAD=8))
+    sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32", "d": "i32"}
+    compile_for_sm90(load("runtime_kernels.jit.activation").silu_and_mul_kernel, sig, dict(BLOCK=1024))
+
+
+if __name__ == "__main__":
+    compile_attention("bf16", 128, 2, 16, False, False, 8)
+    compile_attention("fp32", 64, 3, 64, True, True, 1)
+    compile_elementwise()
+    print("all kernels compiled for sm_90")
