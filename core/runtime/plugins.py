@@ -268,3 +268,47 @@ def get_registry(kind: str) -> Registry:
 
 
 Factory = Callable[..., Any]
+
+
+def find_installed(targets) -> str | None:
+    """The first ``"module:attr"`` whose module can be imported, found without importing it."""
+    from importlib.util import find_spec
+
+    for target in targets:
+        try:
+            if find_spec(target.partition(":")[0]) is not None:
+                return target
+        except ModuleNotFoundError:  # its parent package is not installed
+            continue
+    return None
+
+
+def lazy_instance(target: str) -> Factory:
+    """A factory that imports ``module:Class`` and instantiates it when called."""
+
+    def factory():
+        import importlib
+
+        module, _, cls = target.partition(":")
+        return getattr(importlib.import_module(module), cls)()
+
+    factory.target = target
+    return factory
+
+
+def register_shared(register, name: str, targets, platforms) -> str | None:
+    """Register a component another package implements, if installed and not yet registered.
+
+    Several plugins may offer the same shared implementation (the GPU plugins share the
+    Triton attention backend): the first to load registers it for all their platforms,
+    and the others find the name taken and rely on that registration. Returns the
+    target registered, or None.
+    """
+    target = find_installed(targets)
+    if target is None:
+        return None
+    try:
+        register(name, lazy_instance(target), platforms=list(platforms))
+    except PluginError:
+        return None  # an earlier plugin registered it already
+    return target

@@ -39,5 +39,7 @@ def register_attention_backends(register):
 
         return SdpaAttentionBackend()
 
-    register("triton", triton_factory, platforms=["cuda"], dtypes=DTYPES)
+    # Triton kernels compile for AMD and Intel GPUs too: the rocm and xpu plugins reuse
+    # this registration rather than registering the name again (only run on CUDA so far).
+    register("triton", triton_factory, platforms=["cuda", "rocm", "xpu"], dtypes=DTYPES)
     register("sdpa", sdpa_factory, platforms=["cuda", "cpu"], dtypes=DTYPES)

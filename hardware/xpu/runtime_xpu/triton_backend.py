@@ -11,10 +11,7 @@ platform too.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
-from runtime.plugins import PluginError
+from runtime.plugins import find_installed, register_shared
 
 BACKEND_NAME = "triton"
 GPU_PLATFORMS = ("cuda", "rocm", "xpu")
@@ -23,37 +20,9 @@ BACKEND_TARGETS = ("runtime_cuda.triton_attention:TritonAttentionBackend",)
 
 
 def find_backend_target() -> str | None:
-    """The first target whose module is importable, found without importing it."""
-    for target in BACKEND_TARGETS:
-        module = target.partition(":")[0]
-        try:
-            if importlib.util.find_spec(module) is not None:
-                return target
-        except ModuleNotFoundError:  # the parent package is not installed
-            continue
-    return None
-
-
-def lazy_backend(target: str):
-    """A factory that imports ``module:Class`` and instantiates it when called."""
-
-    def factory():
-        module, _, cls = target.partition(":")
-        return getattr(importlib.import_module(module), cls)()
-
-    factory.target = target
-    return factory
+    return find_installed(BACKEND_TARGETS)
 
 
 def register_shared_backend(register) -> str | None:
     """Register ``triton`` if its code is installed and no earlier plugin did; return the target."""
-    target = find_backend_target()
-    if target is None:
-        return None
-    try:
-        register(BACKEND_NAME, lazy_backend(target), platforms=list(GPU_PLATFORMS))
-    except PluginError:
-        # The only way this fixed, valid name fails is a registration by an earlier GPU
-        # plugin (cuda, rocm and xpu load in that order): that one serves us too.
-        return None
-    return target
+    return register_shared(register, BACKEND_NAME, BACKEND_TARGETS, GPU_PLATFORMS)

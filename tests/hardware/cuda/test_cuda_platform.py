@@ -15,7 +15,7 @@ def test_plugin_registers_platform_and_backends(plugin_manager):
     assert (platform.priority, platform.dist_backend, platform.default_attention_backend) == (10, "nccl", "triton")
     assert platform.priority > plugin_manager.registry("platform").get("cpu").priority
     backends = plugin_manager.registry("attention_backend")
-    assert backends.component("triton").options["platforms"] == ["cuda"]
+    assert backends.component("triton").options["platforms"] == ["cuda", "rocm", "xpu"]
     assert backends.component("sdpa").options["platforms"] == ["cuda", "cpu"]
     assert backends.component("triton").plugin == "cuda"
     assert backends.get("sdpa")().name == "sdpa"
