@@ -102,3 +102,21 @@ def select_attention_backend(name: str | None, platform, dtype: torch.dtype, hea
     if head_sizes and head_size not in head_sizes:
         raise ValueError(f"attention backend {name!r} does not support head size {head_size}; supported: {head_sizes}")
     return comp.obj()
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a step's keys and values into the standard paged layout (plain torch).
+
+    Returns the key and value caches viewed as ``[num_slots, num_kv_heads, head_size]``.
+    """
+    num_kv_heads, head_size = key.shape[1], key.shape[2]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    return key_cache, value_cache

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
+from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata, write_kv_cache
 
 
 @dataclass(slots=True)
@@ -93,10 +93,7 @@ class SdpaAttentionBackend:
         if not isinstance(metadata.backend_data, SdpaStepData):
             self.build_metadata(metadata)
         data: SdpaStepData = metadata.backend_data
-        key_cache = kv_cache[0].view(-1, layer.num_kv_heads, layer.head_size)  # [num_slots, kv_heads, head]
-        value_cache = kv_cache[1].view(-1, layer.num_kv_heads, layer.head_size)
-        key_cache.index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
-        value_cache.index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+        key_cache, value_cache = write_kv_cache(kv_cache, key, value, metadata.slot_mapping)  # [num_slots, kv_heads, head]
         out = torch.empty_like(query)
         if data.decode_rows.numel():
             k = key_cache[data.decode_slots].transpose(1, 2)  # [n, kv_heads, max_len, head]
