@@ -74,6 +74,8 @@ class DeviceConfig:
     platform: str
     attention_backend: str | None = None
     num_threads: int | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured as graphs (sorted)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,10 @@ class EngineArgs:
     platform: str | None = _arg(None, "hardware platform (default: first available)", kind="platform")
     attention_backend: str | None = _arg(None, "attention backend (default: the platform's)", kind="attention_backend")
     cpu_num_threads: int | None = _arg(None, "torch threads on the CPU platform")
+    enforce_eager: bool = _arg(False, "always run the model eagerly (no CUDA graphs)")
+    cuda_graph_sizes: list[int] | None = _arg(
+        None, "decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 ... up to max_num_seqs, at most 512)"
+    )
     speculative_method: str | None = _arg(None, "speculative decoding proposer", kind="proposer")
     num_speculative_tokens: int = _arg(0, "draft tokens per step")
     kv_offload: str | None = _arg(None, "KV cache offload tier", kind="kv_tier")

@@ -79,6 +79,22 @@ def _model_max_len(hf_config) -> int:
     return 2048
 
 
+MAX_DEFAULT_GRAPH_SIZE = 512
+
+
+def graph_sizes(args: EngineArgs) -> tuple[int, ...]:
+    """Decode batch sizes to capture: the user's list, or 1, 2, 4, every multiple of 8 and max_num_seqs (<= 512)."""
+    if args.enforce_eager:
+        return ()
+    if args.cuda_graph_sizes is not None:
+        bad = [s for s in args.cuda_graph_sizes if not isinstance(s, int) or s < 1]
+        if bad or not args.cuda_graph_sizes:
+            raise _fail("cuda_graph_sizes", args.cuda_graph_sizes, "a non-empty list of positive integers")
+        return tuple(sorted(set(s for s in args.cuda_graph_sizes if s <= args.max_num_seqs)))
+    limit = min(args.max_num_seqs, MAX_DEFAULT_GRAPH_SIZE)
+    return tuple(sorted({s for s in (1, 2, 4, *range(8, limit + 1, 8)) if s <= limit} | {limit}))
+
+
 def build_model_config(args: EngineArgs, platform) -> ModelConfig:
     from runtime.model_loader import resolve_model
 
@@ -151,7 +167,9 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             policy=args.scheduling_policy,
         ),
         parallel_config=ParallelConfig(args.tensor_parallel_size, args.executor),
-        device_config=DeviceConfig(platform.name, args.attention_backend, args.cpu_num_threads),
+        device_config=DeviceConfig(
+            platform.name, args.attention_backend, args.cpu_num_threads, args.enforce_eager, graph_sizes(args)
+        ),
         load_config=LoadConfig(args.load_format),
         plugin_options={
             "speculative_method": args.speculative_method,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -45,6 +48,42 @@ class Platform:
 
     def synchronize(self) -> None:
         pass
+
+    def custom_ops(self) -> dict[str, Callable]:
+        """Fused kernels the models use instead of plain torch ops, by name (none by default).
+
+        The model runner builds the model inside
+        ``runtime.models.ops.custom_ops_scope(platform.custom_ops())``; each module
+        picks up its op while it is constructed and otherwise runs plain torch. The
+        names the models look up (``runtime.models.ops.CUSTOM_OPS``; others are ignored):
+
+        * ``rms_norm(x, weight, eps, gemma=False) -> out``
+        * ``fused_add_rms_norm(x, residual, weight, eps, gemma=False) -> (out, x + residual)``
+        * ``rotary_embedding(positions, query, key, cos_sin_cache) -> (query, key)``, in place;
+          the cache is ``[max_position, head_size]`` float32, cos | sin
+        * ``silu_and_mul(x) -> out``, ``x`` = ``[gate | up]``
+
+        They must match the plain modules' numerics (``runtime.models.ops`` says how)
+        and be safe to capture in a graph: no host syncs, no data-dependent control flow.
+        """
+        return {}
+
+    # Graph capture: platforms that can record a model step once and replay it (CUDA
+    # graphs) override these three; the model runner pads decode batches to the
+    # captured sizes and keeps every input in persistent buffers.
+    supports_graphs: bool = False
+
+    def graph_pool(self) -> Any:
+        """A memory pool the captured graphs share (captured largest first)."""
+        return None
+
+    def capture_graph(self, fn: Callable[[], torch.Tensor], pool: Any) -> Callable[[], torch.Tensor]:
+        """Record ``fn`` (already run once, so kernels are compiled) and return a replay.
+
+        The replay reruns the recorded work on whatever the persistent inputs now
+        hold and returns the same output tensor each time.
+        """
+        raise NotImplementedError(f"platform {self.name!r} cannot capture graphs")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

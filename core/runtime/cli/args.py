@@ -12,7 +12,8 @@ from runtime.config import EngineArgs
 
 def _base_type(annotation):
     if isinstance(annotation, str):
-        annotation = eval(annotation, {"int": int, "float": float, "str": str, "bool": bool, "None": None})  # noqa: S307
+        names = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "None": None}
+        annotation = eval(annotation, names)  # noqa: S307
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return args[0]
@@ -32,6 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
             continue
         kwargs = {"dest": f.name, "default": f.default, "type": kind, "help": help_text}
+        if typing.get_origin(kind) is list:  # a list flag takes one or more values
+            kwargs.update(type=typing.get_args(kind)[0], nargs="+")
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
         if f.metadata.get("kind"):

@@ -2,11 +2,13 @@
 
 Each request owns a row of two host buffers (its tokens and its block table) for
 as long as it runs, so building a step's inputs is a handful of vectorized numpy
-gathers, with no Python loop over tokens.
+gathers, with no Python loop over tokens. The step's flat batch goes into persistent
+buffers (:mod:`runtime.worker.buffers`), padded when a captured graph will run it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.output import SchedulerOutput
+from runtime.worker.buffers import StepBuffers
 
 
 @dataclass(slots=True)
@@ -46,15 +49,21 @@ class StepInputs:
     positions_t: torch.Tensor  # [num_tokens] on device
     slot_mapping: torch.Tensor  # [num_tokens] on device
     block_table: torch.Tensor  # [num_reqs, max_blocks] on device
+    query_start_loc_t: torch.Tensor  # [num_reqs + 1] on device
+    seq_lens_t: torch.Tensor  # [num_reqs] on device
     sample_mask: np.ndarray = field(default=None)  # [num_reqs] bool: this step yields a token
+    graph_size: int | None = None  # device tensors are padded to this many requests and tokens
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device):
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, block_size: int, device: torch.device, max_num_tokens: int
+    ):
         self.block_size = block_size
         self.device = device
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
+        self.buffers = StepBuffers(max_num_reqs, max(max_num_tokens, max_num_reqs), self.max_blocks, device)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -83,38 +92,61 @@ class InputBatch:
                 state.num_blocks = end
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def prepare(self, so: SchedulerOutput) -> StepInputs:
+    def prepare(self, so: SchedulerOutput, graph_size: Callable[[int, int], int | None] | None = None) -> StepInputs:
+        """Flatten the step into the persistent buffers and copy them to the device.
+
+        ``graph_size(num_reqs, num_tokens)`` names the captured graph's batch size to pad
+        to (None: run eagerly on exactly the step's tokens).
+        """
         states = [self.requests[req_id] for req_id in so.num_scheduled_tokens]
-        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(states))
-        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
-        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        query_start_loc = np.zeros(len(states) + 1, dtype=np.int32)
+        num_reqs = len(states)
+        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
         # positions[t] = num_computed[r] + (t - query_start[r]) for token t of request r
-        token_rows = np.repeat(np.arange(len(states)), num_scheduled)
+        token_rows = np.repeat(np.arange(num_reqs), num_scheduled)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][token_rows] + num_computed[token_rows]
-        input_ids = self.token_ids[rows[token_rows], positions]
-        block_numbers = self.block_table[rows[token_rows], positions // self.block_size]
-        slot_mapping = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
-        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(states) else 0
-        block_table = self.block_table[rows, :max_blocks]
-        to_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
-        return StepInputs(
+        padded = graph_size(num_reqs, num_tokens) if graph_size is not None else None
+        b = self.buffers
+        b.fence.wait()
+        reqs_out, tokens_out = (padded, padded) if padded else (num_reqs, num_tokens)
+        # Padding: tokens with no request (slot -1: not cached), requests with no queries.
+        b.input_ids.np[:num_tokens] = self.token_ids[rows[token_rows], positions]
+        b.input_ids.np[num_tokens:tokens_out] = 0
+        b.positions.np[:num_tokens] = positions
+        b.positions.np[num_tokens:tokens_out] = 0
+        block_numbers = self.block_table[rows[token_rows], positions // self.block_size]
+        b.slot_mapping.np[:num_tokens] = block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        b.slot_mapping.np[num_tokens:tokens_out] = -1
+        b.query_start_loc.np[: num_reqs + 1] = query_start_loc
+        b.query_start_loc.np[num_reqs + 1 : reqs_out + 1] = num_tokens
+        b.seq_lens.np[:num_reqs] = seq_lens
+        b.seq_lens.np[num_reqs:reqs_out] = 0
+        width = int(-(-seq_lens.max() // self.block_size)) if num_reqs else 0
+        b.block_table_flat.np[: num_reqs * width].reshape(num_reqs, width)[:] = self.block_table[rows, :width]
+        inputs = StepInputs(
             states=states,
             num_scheduled=num_scheduled,
             num_computed=num_computed,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             positions=positions,
-            input_ids=to_dev(input_ids),
-            positions_t=to_dev(positions),
-            slot_mapping=to_dev(slot_mapping),
-            block_table=to_dev(block_table),
+            input_ids=b.input_ids.upload(tokens_out),
+            positions_t=b.positions.upload(tokens_out),
+            slot_mapping=b.slot_mapping.upload(tokens_out),
+            block_table=b.upload_block_table(num_reqs, width, padded),
+            query_start_loc_t=b.query_start_loc.upload(reqs_out + 1),
+            seq_lens_t=b.seq_lens.upload(reqs_out),
             sample_mask=(num_computed + num_scheduled) >= num_known,
+            graph_size=padded,
         )
+        b.fence.record()
+        return inputs
 
     def append_token(self, state: CachedRequestState, token_id: int) -> None:
         if state.num_tokens < self.max_model_len:

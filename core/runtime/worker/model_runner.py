@@ -12,6 +12,7 @@ from runtime.config import EngineConfig
 from runtime.engine.messages import LogprobsLists
 from runtime.forward_context import set_forward_context
 from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.worker.graphs import DecodeGraphs, can_capture
 from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,13 @@ class ModelRunner:
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self.input_batch = InputBatch(
-            config.scheduler_config.max_num_seqs, self.model_config.max_model_len, self.block_size, device
+            config.scheduler_config.max_num_seqs,
+            self.model_config.max_model_len,
+            self.block_size,
+            device,
+            config.scheduler_config.max_num_batched_tokens,
         )
+        self.graphs: DecodeGraphs | None = None
 
     # ---------------------------------------------------------------- setup
     def load_model(self) -> None:
@@ -90,6 +96,20 @@ class ModelRunner:
             for s in self.attention_specs
         ]
         self.num_blocks = num_blocks
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Record decode steps as graphs when the platform and the attention backend allow it."""
+        sizes = self.config.device_config.cuda_graph_sizes
+        reason = can_capture(self.platform, self.attn_backend, sizes)
+        if reason is not None:
+            logger.info("running eagerly: %s", reason)
+            return
+        self.graphs = DecodeGraphs(
+            sizes, self.platform, self.model, self.attn_backend, self.kv_caches,
+            self.input_batch.buffers, self.block_size, self.model_config.max_model_len,
+        )
+        self.graphs.capture()
 
     # ---------------------------------------------------------------- step
     def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
@@ -98,8 +118,8 @@ class ModelRunner:
             num_tokens=int(inputs.query_start_loc[-1]),
             max_query_len=int(inputs.num_scheduled.max()),
             max_seq_len=int(inputs.seq_lens.max()),
-            query_start_loc=torch.from_numpy(inputs.query_start_loc).to(self.device),
-            seq_lens=torch.from_numpy(inputs.seq_lens).to(self.device),
+            query_start_loc=inputs.query_start_loc_t,
+            seq_lens=inputs.seq_lens_t,
             block_table=inputs.block_table,
             slot_mapping=inputs.slot_mapping,
             query_start_loc_cpu=inputs.query_start_loc,
@@ -114,18 +134,24 @@ class ModelRunner:
         batch.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        inputs = batch.prepare(so)
-        with set_forward_context(self.attn_backend, self._metadata(inputs), self.kv_caches):
-            hidden = self.model(inputs.input_ids, inputs.positions_t)  # [num_tokens, hidden]
+        inputs = batch.prepare(so, self.graphs.batch_size if self.graphs is not None else None)
+        if inputs.graph_size is not None:
+            hidden = self.graphs.run(inputs.graph_size)[: so.total_num_scheduled_tokens]
+        else:
+            with set_forward_context(self.attn_backend, self._metadata(inputs), self.kv_caches):
+                hidden = self.model(inputs.input_ids, inputs.positions_t)  # [num_tokens, hidden]
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         sample_rows = np.nonzero(inputs.sample_mask)[0]
         if len(sample_rows) == 0:
             return ModelRunnerOutput([], [], None, prompt_logprobs)
         states = [inputs.states[i] for i in sample_rows]
-        last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_rows] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[last_token])  # [num_sampled, vocab]
+        if len(sample_rows) == hidden.shape[0]:  # a decode step: every token is sampled
+            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
+        else:
+            last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_rows] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last_token])
         sampler_output = self.sampler(logits, self._sampling_metadata(states))
-        token_ids = sampler_output.sampled_token_ids.tolist()
+        token_ids = batch.buffers.download_sampled(sampler_output.sampled_token_ids)
         for state, token in zip(states, token_ids):
             batch.append_token(state, token)
         logprobs = None

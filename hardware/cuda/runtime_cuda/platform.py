@@ -94,9 +94,11 @@ class CudaPlatform(Platform):
         return budget
 
     def custom_ops(self) -> dict[str, Callable]:
-        """Fused Triton ops the models could use on this platform (not consulted by core yet).
+        """The fused Triton ops of ``runtime_kernels`` that the models use on this platform.
 
-        Each has the signature of its ``runtime_kernels`` function: ``rms_norm``,
+        The model runner builds the model inside ``custom_ops_scope`` of this dict, so
+        the norms, the SiLU MLP activation and the rotary embedding run these kernels
+        (see ``Platform.custom_ops`` for the names and signatures): ``rms_norm``,
         ``fused_add_rms_norm``, ``rotary_embedding`` (in place, from a cos/sin cache),
         ``silu_and_mul``.
         """
@@ -116,3 +118,21 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    supports_graphs = True
+
+    def graph_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture_graph(self, fn: Callable[[], torch.Tensor], pool) -> Callable[[], torch.Tensor]:
+        """Record ``fn`` into a CUDA graph; the replay returns the tensor ``fn`` returned during capture."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=pool):
+            output = fn()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay

@@ -21,6 +21,7 @@ class TritonAttentionBackend:
     """Paged attention for the ``cuda`` platform; KV layout as the CPU plugin's."""
 
     name = "triton"
+    supports_graphs = True  # reads only device tensors and launch-shape sizes fixed per captured batch
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)

@@ -14,14 +14,27 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "engine"))  # hf_reference
 
-from hf_reference import check_logprobs_close, check_outputs_equal, hf_greedy  # noqa: E402
+from hf_reference import (  # noqa: E402
+    check_logprobs_close,
+    check_logprobs_close_until_divergence,
+    check_outputs_equal,
+    hf_greedy,
+)
 from tiny_models import _config, _perturb  # noqa: E402
 
 VOCAB_SIZE = 512
 PROMPT_LENS = [5, 17, 33, 9, 41]
 SHARED_PREFIX = 24
 
-__all__ = ["build_untokenized_model", "make_prompts", "reference_outputs", "check_outputs_equal", "check_logprobs_close"]
+__all__ = [
+    "build_untokenized_model",
+    "make_prompts",
+    "reference_outputs",
+    "check_outputs_equal",
+    "check_logprobs_close",
+    "check_logprobs_close_until_divergence",
+    "hf_greedy",
+]
 
 
 def build_untokenized_model(arch: str, path, seed: int = 0) -> str:

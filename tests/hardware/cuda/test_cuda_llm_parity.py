@@ -14,12 +14,22 @@ import torch
 
 from runtime import LLM, SamplingParams
 
-from cuda_tiny import build_untokenized_model, check_logprobs_close, check_outputs_equal, make_prompts, reference_outputs
+from cuda_tiny import (
+    build_untokenized_model,
+    check_logprobs_close,
+    check_logprobs_close_until_divergence,
+    check_outputs_equal,
+    hf_greedy,
+    make_prompts,
+    reference_outputs,
+)
 
 pytestmark = pytest.mark.gpu
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3"]
-BACKENDS = ["triton", "sdpa"]
+# (attention backend, CUDA graphs for decode steps); sdpa reads host metadata and always runs eagerly.
+MODES = [("triton", True), ("triton", False), ("sdpa", False)]
+GRAPH_SIZES = [1, 2, 4, 8, 16]
 NUM_NEW_TOKENS = 32
 KV_BYTES = 256 << 20  # keep tests light; memory sizing is tested on its own below
 SETTINGS = {
@@ -37,16 +47,22 @@ def reference(request, tmp_path_factory):
     return request.param, path, prompts, reference_outputs(path, prompts, NUM_NEW_TOKENS)
 
 
-def cuda_llm(path, backend, **kwargs) -> LLM:
+def cuda_llm(path, backend, graphs: bool, dtype: str = "float32", **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory_bytes", KV_BYTES)
-    return LLM(path, platform="cuda", attention_backend=backend, dtype="float32", skip_tokenizer_init=True, **kwargs)
+    return LLM(path, platform="cuda", attention_backend=backend, dtype=dtype, skip_tokenizer_init=True,
+               enforce_eager=not graphs, cuda_graph_sizes=GRAPH_SIZES, **kwargs)
+
+
+def graph_replays(llm: LLM) -> int:
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    return 0 if graphs is None else sum(graphs.replay_counts.values())
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_matches_transformers_on_gpu(reference, backend, setting):
+@pytest.mark.parametrize("backend,graphs", MODES, ids=[f"{b}-{'graphs' if g else 'eager'}" for b, g in MODES])
+def test_greedy_matches_transformers_on_gpu(reference, backend, graphs, setting):
     arch, path, prompts, expected = reference
-    llm = cuda_llm(path, backend, **SETTINGS[setting])
+    llm = cuda_llm(path, backend, graphs, **SETTINGS[setting])
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5, detokenize=False)
     for _ in range(2 if setting == "prefix_caching" else 1):  # the second run reads cached prefixes
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -54,11 +70,40 @@ def test_greedy_matches_transformers_on_gpu(reference, backend, setting):
         check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], label)
         for (_, ref_steps), out in zip(expected, outputs):
             check_logprobs_close(ref_steps, out.outputs[0].logprobs, atol=2e-3, label=label)
+    assert (graph_replays(llm) > 0) == graphs
     scheduler = llm.llm_engine.engine_core.scheduler
     if setting == "prefix_caching":
         assert scheduler.kv_cache_manager.stats.hits > 0
     if setting == "preemption":
         assert scheduler.num_preemptions > 0
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def bf16_reference(request, tmp_path_factory):
+    """transformers in bfloat16 on the GPU: greedy tokens and top-5 logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_untokenized_model(request.param, tmp_path_factory.mktemp(f"{request.param}-bf16"))
+    prompts = make_prompts()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    expected = hf_greedy(hf, prompts, NUM_NEW_TOKENS)
+    del hf
+    torch.cuda.empty_cache()
+    return request.param, path, prompts, expected
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_bf16_logprobs_close_to_transformers(bf16_reference, graphs):
+    """bf16 rounding may flip a near-tie: compare until the first differing token, vLLM-style."""
+    arch, path, prompts, expected = bf16_reference
+    llm = cuda_llm(path, "triton", graphs, dtype="bfloat16")
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for (ref_tokens, ref_steps), out in zip(expected, outputs):
+        check_logprobs_close_until_divergence(
+            ref_tokens, ref_steps, out.outputs[0].token_ids, out.outputs[0].logprobs, atol=0.1, label=f"{arch}/bf16"
+        )
+    assert (graph_replays(llm) > 0) == graphs
 
 
 def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):

@@ -1,0 +1,114 @@
+"""Decode steps replayed from captured graphs (CUDA graphs on the ``cuda`` platform).
+
+A decode-only step (one new token per request) spends most of its time launching
+small kernels. For each captured batch size the model's forward is recorded once,
+reading every input from the persistent step buffers; a step with ``n`` requests
+then pads its inputs to the next captured size and replays that graph.
+
+Padding keeps the replay harmless: padded tokens have slot ``-1`` (their keys are not
+cached) and padded requests have no queries, so attention skips them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from runtime.attention.backend import AttentionMetadata
+from runtime.forward_context import set_forward_context
+from runtime.worker.buffers import StepBuffers
+
+logger = logging.getLogger(__name__)
+
+
+def can_capture(platform, backend, sizes: tuple[int, ...]) -> str | None:
+    """Why this engine runs without graphs, or None when it can capture them."""
+    if not sizes:
+        return "graphs are off (enforce_eager, or no sizes to capture)"
+    if not platform.supports_graphs:
+        return f"platform {platform.name!r} cannot capture graphs"
+    if not getattr(backend, "supports_graphs", False):
+        return f"attention backend {backend.name!r} reads host-side metadata and cannot run in a graph"
+    return None
+
+
+class DecodeGraphs:
+    """Captured decode steps, one per batch size, sharing one memory pool."""
+
+    def __init__(self, sizes: tuple[int, ...], platform, model, backend, kv_caches, buffers: StepBuffers, block_size: int, max_model_len: int):
+        self.sizes = tuple(sorted(sizes))
+        self.platform = platform
+        self.model = model
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
+        self.replay_counts: Counter[int] = Counter()  # steps run per captured size
+
+    def batch_size(self, num_reqs: int, num_tokens: int) -> int | None:
+        """The captured size a step pads to, or None if it must run eagerly."""
+        if num_tokens != num_reqs or num_reqs > self.sizes[-1]:
+            return None
+        return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        self._fill_dummy_inputs()
+        pool = self.platform.graph_pool()
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
+            step = self._step(size)
+            step()  # compile kernels and create lazy state outside the capture
+            self.replays[size] = self.platform.capture_graph(step, pool)
+        logger.info("captured %d decode graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+    def run(self, size: int) -> torch.Tensor:
+        """Replay the graph of ``size`` on the buffers' current contents: hidden states ``[size, hidden]``."""
+        self.replay_counts[size] += 1
+        return self.replays[size]()
+
+    def _step(self, size: int) -> Callable[[], torch.Tensor]:
+        b = self.buffers
+        metadata = AttentionMetadata(
+            num_reqs=size,
+            num_tokens=size,
+            max_query_len=1,
+            # Launch shapes must suit any context length the replay may see.
+            max_seq_len=self.max_model_len,
+            query_start_loc=b.query_start_loc.dev[: size + 1],
+            seq_lens=b.seq_lens.dev[:size],
+            block_table=b.block_table[:size],
+            slot_mapping=b.slot_mapping.dev[:size],
+            query_start_loc_cpu=None,  # host values are not part of a graph
+            seq_lens_cpu=None,
+            block_size=self.block_size,
+        )
+        metadata = self.backend.build_metadata(metadata)
+        input_ids, positions = b.input_ids.dev[:size], b.positions.dev[:size]
+
+        def step() -> torch.Tensor:
+            with set_forward_context(self.backend, metadata, self.kv_caches):
+                return self.model(input_ids, positions)
+
+        return step
+
+    def _fill_dummy_inputs(self) -> None:
+        """One query per request over one (uncached) key, so warm-up runs touch no real cache slot."""
+        b, n = self.buffers, self.sizes[-1]
+        for buffer, values in (
+            (b.input_ids, torch.zeros(n, dtype=torch.int64)),
+            (b.positions, torch.zeros(n, dtype=torch.int64)),
+            (b.slot_mapping, torch.full((n,), -1, dtype=torch.int64)),
+            (b.query_start_loc, torch.arange(n + 1, dtype=torch.int32)),
+            (b.seq_lens, torch.ones(n, dtype=torch.int32)),
+        ):
+            buffer.host[: len(values)] = values
+            buffer.upload(len(values))
+        b.block_table.zero_()

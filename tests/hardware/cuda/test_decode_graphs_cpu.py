@@ -1,0 +1,120 @@
+"""The decode-graph path of the model runner, on the CPU: padding and persistent buffers.
+
+A test platform "captures" a graph by keeping the step function and "replays" it by
+calling it again, so everything but the recording itself runs: steps pad to the next
+captured batch size, every input comes from the persistent buffers the capture saw,
+and the Triton backend (under the interpreter) skips padded requests and tokens. The
+engine's greedy tokens must still be transformers' tokens. The real CUDA-graph run of
+the same checks is in test_cuda_llm_parity.py (marked gpu).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pluggy
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime import plugins
+from runtime_cpu.platform import CpuPlatform
+
+from cuda_tiny import build_untokenized_model, check_logprobs_close, check_outputs_equal, make_prompts, reference_outputs
+
+hookimpl = pluggy.HookimplMarker("runtime")
+SIZES = [1, 2, 4, 8]
+NUM_NEW_TOKENS = 9
+
+
+class ReplayingCpuPlatform(CpuPlatform):
+    """The CPU platform with a pretend graph capture that records which sizes replay."""
+
+    name = "cpu-replay"
+    priority = -1
+    supports_graphs = True
+
+    def __init__(self):
+        self.captured: list[int] = []
+        self.replayed: Counter[int] = Counter()
+
+    def capture_graph(self, fn, pool):
+        size = len(self.captured)
+        self.captured.append(size)
+
+        def replay():
+            self.replayed[size] += 1
+            return fn()
+
+        return replay
+
+
+class ReplayPlugin:
+    def __init__(self, platform: ReplayingCpuPlatform):
+        self.platform = platform
+
+    @hookimpl
+    def register_platforms(self, register):
+        register(self.platform)
+
+    @hookimpl
+    def register_attention_backends(self, register):
+        from runtime_cuda.triton_attention import TritonAttentionBackend
+
+        register("triton-replay", TritonAttentionBackend, platforms=["cpu-replay"])
+
+
+@pytest.fixture
+def replay_platform():
+    saved = plugins._manager
+    manager = plugins.PluginManager(["cpu", "cuda"])
+    platform = ReplayingCpuPlatform()
+    manager.register(ReplayPlugin(platform), "replay", "0.0", "runtime-plugin-replay-test")
+    plugins.reset_plugin_manager(manager)
+    yield platform
+    plugins.reset_plugin_manager(saved)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = build_untokenized_model("qwen3", tmp_path_factory.mktemp("qwen3"))
+    prompts = make_prompts()  # 8 prompts, 3 of them sharing a prefix
+    return path, prompts, reference_outputs(path, prompts, NUM_NEW_TOKENS)
+
+
+def test_padded_decode_replays_match_transformers(reference, replay_platform):
+    path, prompts, expected = reference
+    llm = LLM(path, platform="cpu-replay", attention_backend="triton-replay", dtype="float32", skip_tokenizer_init=True,
+              cuda_graph_sizes=SIZES, max_num_seqs=8, block_size=4)
+    assert len(replay_platform.captured) == len(SIZES)
+    # Different lengths: the decode batch shrinks 8 -> 1, so most steps pad (7 -> 8, 5 -> 8, 3 -> 4, ...).
+    lengths = [NUM_NEW_TOKENS - i for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5, detokenize=False) for n in lengths
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    check_outputs_equal([e[0][:n] for e, n in zip(expected, lengths)], [o.outputs[0].token_ids for o in outputs], "replay")
+    for (_, ref_steps), out, n in zip(expected, outputs, lengths):
+        check_logprobs_close(ref_steps[:n], out.outputs[0].logprobs, atol=2e-3, label="replay")
+    # Captured largest first: index 0 is size 8. Every decode step replayed, at several sizes.
+    assert len(replay_platform.replayed) >= 3, replay_platform.replayed
+    assert sum(replay_platform.replayed.values()) >= NUM_NEW_TOKENS - 1
+
+
+def test_enforce_eager_captures_nothing(reference, replay_platform):
+    path, prompts, _ = reference
+    llm = LLM(path, platform="cpu-replay", attention_backend="triton-replay", dtype="float32", skip_tokenizer_init=True,
+              cuda_graph_sizes=SIZES, enforce_eager=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert replay_platform.captured == [] and not replay_platform.replayed
+
+
+def test_graph_sizes_flag_is_validated():
+    from runtime.config import EngineArgs
+    from runtime.config_builder import graph_sizes
+
+    assert graph_sizes(EngineArgs(model="m", max_num_seqs=20)) == (1, 2, 4, 8, 16, 20)
+    assert graph_sizes(EngineArgs(model="m", cuda_graph_sizes=[8, 1, 64], max_num_seqs=32)) == (1, 8)
+    assert graph_sizes(EngineArgs(model="m", enforce_eager=True)) == ()
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        graph_sizes(EngineArgs(model="m", cuda_graph_sizes=[0, 4]))
