@@ -18,7 +18,7 @@ from runtime_cpu.attention import CPUPagedAttentionBackend
 
 
 def make_metadata(
-    q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+    q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int, device="cpu"
 ) -> AttentionMetadata:
     """Metadata for requests whose new tokens are the last ``q_lens[i]`` of ``seq_lens[i]``."""
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -33,10 +33,10 @@ def make_metadata(
         num_tokens=int(qsl[-1]),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
-        query_start_loc=torch.from_numpy(qsl),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=np.asarray(seq_lens, dtype=np.int32),
         block_size=block_size,
@@ -50,9 +50,14 @@ class PagedRunner:
         self.model = model
         self.backend = CPUPagedAttentionBackend()
         self.block_size = block_size
-        dtype = next(model.parameters()).dtype
+        param = next(model.parameters())
+        self.device = param.device
         self.kv_caches = [
-            torch.zeros(self.backend.kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_size), dtype=dtype)
+            torch.zeros(
+                self.backend.kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_size),
+                dtype=param.dtype,
+                device=self.device,
+            )
             for s in model.attention_specs()
         ]
         self.free_blocks = list(range(num_blocks))
@@ -62,6 +67,13 @@ class PagedRunner:
 
     def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
         """Feed ``new_tokens[i]`` to request i; return each request's logits ``[len(new), vocab]``."""
+        hidden = self.step_hidden(new_tokens)  # [num_tokens, hidden]
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
+        return list(logits.split([len(t) for t in new_tokens]))
+
+    def step_hidden(self, new_tokens: list[list[int]]) -> torch.Tensor:
+        """Feed ``new_tokens[i]`` to request i; return the final hidden states ``[num_tokens, hidden]``."""
         for i, toks in enumerate(new_tokens):
             self.tokens[i].extend(toks)
             needed = -(-len(self.tokens[i]) // self.block_size)
@@ -69,10 +81,10 @@ class PagedRunner:
                 self.block_tables[i].append(self.free_blocks.pop())
         q_lens = [len(t) for t in new_tokens]
         seq_lens = [len(t) for t in self.tokens]
-        metadata = self.backend.build_metadata(make_metadata(q_lens, seq_lens, self.block_tables, self.block_size))
-        input_ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64)
-        positions = torch.tensor([p for q, s in zip(q_lens, seq_lens) for p in range(s - q, s)], dtype=torch.int64)
+        metadata = make_metadata(q_lens, seq_lens, self.block_tables, self.block_size, self.device)
+        metadata = self.backend.build_metadata(metadata)
+        input_ids = torch.tensor([t for toks in new_tokens for t in toks], dtype=torch.int64, device=self.device)
+        positions = [p for q, s in zip(q_lens, seq_lens) for p in range(s - q, s)]
+        positions = torch.tensor(positions, dtype=torch.int64, device=self.device)
         with torch.inference_mode(), set_forward_context(self.backend, metadata, self.kv_caches):
-            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden)  # [num_tokens, vocab]
-        return list(logits.split(q_lens))
+            return self.model(input_ids, positions)  # [num_tokens, hidden]

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from runtime.models.layers import MLP, GemmaRMSNorm
-from runtime.models.llama import LlamaAttention, LlamaForCausalLM, head_dim
-from runtime.models.rotary import RotaryEmbedding, rope_parameters
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, head_dim, pre_norm
+from runtime.models.rotary import RotaryEmbedding, Rotation, rope_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -51,9 +51,15 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))),
+        # with x carried as hidden + residual (as in LlamaDecoderLayer).
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, rotation))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -81,10 +87,12 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         hidden = hidden * self._embed_scale(hidden.dtype)
-        rope = {t: emb(positions, hidden.dtype) for t, emb in self.rotary_emb.items()}
+        rotations = {t: emb.rotation(positions, hidden.dtype) for t, emb in self.rotary_emb.items()}
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, *rope[layer.layer_type])
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotations[layer.layer_type])
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

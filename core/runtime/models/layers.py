@@ -12,15 +12,27 @@ from torch import nn
 
 from runtime.attention.backend import AttentionLayerSpec
 from runtime.forward_context import get_forward_context
+from runtime.models.ops import lookup
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and scaled by ``weight`` (Llama, Qwen)."""
+    """Root-mean-square norm, computed in float32 and scaled by ``weight`` (Llama, Qwen).
+
+    ``norm(x)`` returns the normalized ``x``; ``norm(x, residual)`` first adds the
+    residual stream and returns ``(norm(x + residual), x + residual)``, so that a
+    platform's fused add-and-norm kernel can do both in one pass. The fused ops
+    (``rms_norm``, ``fused_add_rms_norm``) are taken from the custom-ops scope the
+    module is built in; without them it runs the plain torch code.
+    """
+
+    is_gemma = False  # passed to the fused ops as ``gemma``
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self._rms_norm = lookup("rms_norm")
+        self._fused_add_rms_norm = lookup("fused_add_rms_norm")
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -29,13 +41,29 @@ class RMSNorm(nn.Module):
         x = x.float()
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> same
+    def _plain_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * self._normalize(x).to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [..., hidden] -> out [..., hidden] (and the new residual [..., hidden])
+        if residual is not None:
+            if self._fused_add_rms_norm is not None:
+                return self._fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=self.is_gemma)
+            x = residual = x + residual
+        if self._rms_norm is not None:
+            out = self._rms_norm(x, self.weight, self.eps, gemma=self.is_gemma)
+        else:
+            out = self._plain_norm(x)
+        return out if residual is None else (out, residual)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's variant: the weight is stored as an offset, the scale is ``1 + weight``,
     and the product is taken in float32 before casting back."""
+
+    is_gemma = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__(hidden_size, eps)
@@ -44,14 +72,23 @@ class GemmaRMSNorm(RMSNorm):
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _plain_norm(self, x: torch.Tensor) -> torch.Tensor:
         return (self._normalize(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = ``[gate | up]``."""
+    """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = ``[gate | up]``.
+
+    Uses the scope's fused ``silu_and_mul`` when the platform offers one.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._silu_and_mul = lookup("silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2d] -> [..., d]
+        if self._silu_and_mul is not None:
+            return self._silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -3,6 +3,10 @@
 Forward takes a flat batch: ``input_ids`` and ``positions`` are ``[num_tokens]`` with
 every scheduled token of the step, and attention goes through the forward context's
 backend and paged KV cache.
+
+Decoder layers pass the residual stream along (``hidden, residual = norm(hidden,
+residual)``) so that "add the residual, then normalize" is one call, which a platform
+may fuse into one kernel; in plain torch it is the same ``x + f(x)`` as before.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 
 from runtime.attention.backend import AttentionLayerSpec
 from runtime.models.layers import MLP, Attention, MergedLinear, RMSNorm
-from runtime.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from runtime.models.rotary import RotaryEmbedding, Rotation, rope_parameters
 from runtime.models.weights import load_hf_weights
 
 # Hugging Face module name -> (our fused module, shard).
@@ -42,6 +46,18 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
     return window
+
+
+def pre_norm(
+    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm: ``norm(hidden + residual)`` and the new residual.
+
+    The first layer has no residual yet; its input is the embeddings themselves.
+    """
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -79,7 +95,7 @@ class LlamaAttention(nn.Module):
             logits_soft_cap=logits_soft_cap,
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_size)
@@ -87,13 +103,14 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotation.apply(q, k)
         out = self.attn(q, k, v)  # [T, num_heads, head_size]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with ``x`` carried
+    as ``hidden + residual`` (the sum is taken inside the next norm)."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -109,9 +126,14 @@ class LlamaDecoderLayer(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden: [T, hidden], this layer's input minus ``residual`` (None: the first layer)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn(hidden, rotation)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual  # the next layer adds them
 
 
 class LlamaModel(nn.Module):
@@ -124,10 +146,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        rotation = self.rotary_emb.rotation(positions, hidden.dtype)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotation)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -162,4 +186,4 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn.spec for layer in self.model.layers]
 
 
-__all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention"]
+__all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "pre_norm"]

@@ -11,6 +11,7 @@ from runtime.attention.backend import AttentionMetadata, select_attention_backen
 from runtime.config import EngineConfig
 from runtime.engine.messages import LogprobsLists
 from runtime.forward_context import set_forward_context
+from runtime.models.ops import custom_ops_scope
 from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.graphs import DecodeGraphs, can_capture
 from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
@@ -53,9 +54,11 @@ class ModelRunner:
         from runtime.sample.sampler import Sampler
 
         mc = self.model_config
-        self.model = load_model(
-            mc.resolved, load_format=self.config.load_config.load_format, dtype=mc.dtype, device=self.device, seed=mc.seed
-        )
+        # Modules pick up the platform's fused kernels (if any) while they are built.
+        with custom_ops_scope(self.platform.custom_ops()):
+            self.model = load_model(
+                mc.resolved, load_format=self.config.load_config.load_format, dtype=mc.dtype, device=self.device, seed=mc.seed
+            )
         self.attention_specs = self.model.attention_specs()
         head_size = self.attention_specs[0].head_size
         self.attn_backend = select_attention_backend(

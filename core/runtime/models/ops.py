@@ -1,0 +1,67 @@
+"""Fused ops a platform offers the models, picked up once while a model is built.
+
+A platform's :meth:`~runtime.platforms.Platform.custom_ops` returns a dict of fused
+kernels by name. The model runner builds the model inside
+``custom_ops_scope(platform.custom_ops())``; each module that has a fused form calls
+:func:`lookup` in its ``__init__`` and keeps the op (or ``None``, meaning "use plain
+torch"). Nothing is looked up while the model runs, so a forward pass is the same
+Python code on every step (what CUDA graph capture needs).
+
+The names and signatures a platform may provide (:data:`CUSTOM_OPS`):
+
+* ``rms_norm(x, weight, eps, gemma=False) -> out``: ``x`` [..., hidden]; the mean square
+  in float32; Llama rounds the normalized value to ``x.dtype`` then scales by
+  ``weight``; ``gemma=True`` scales by ``1 + weight`` in float32 and rounds once.
+* ``fused_add_rms_norm(x, residual, weight, eps, gemma=False) -> (out, x + residual)``:
+  the sum rounded to ``x.dtype``, then normalized as ``rms_norm``; inputs untouched.
+* ``rotary_embedding(positions, query, key, cos_sin_cache) -> (query, key)``: rotates
+  ``query`` [T, heads, head_size] and ``key`` [T, kv_heads, head_size] in place (NeoX
+  "rotate half" layout); ``cos_sin_cache`` is [max_position, head_size] float32 with the
+  cosines of each position's angles in the first half and the sines in the second.
+* ``silu_and_mul(x) -> out``: ``x`` [..., 2 * d] = ``[gate | up]`` -> ``silu(gate) * up``.
+
+Names outside :data:`CUSTOM_OPS` are ignored, so a platform may offer ops that only
+newer models use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+logger = logging.getLogger(__name__)
+
+CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+
+_current_ops: ContextVar[Mapping[str, Callable]] = ContextVar("runtime_custom_ops", default={})
+
+
+@contextmanager
+def custom_ops_scope(ops: Mapping[str, Callable]) -> Iterator[None]:
+    """Make ``ops`` the fused ops that modules built inside this block pick up.
+
+    Unknown names are ignored; a known name bound to something not callable is a
+    ``ValueError``. Scopes nest; leaving one restores the outer ops.
+    """
+    known: dict[str, Callable] = {}
+    for name, op in ops.items():
+        if name not in CUSTOM_OPS:
+            logger.debug("ignoring custom op %r: models use only %s", name, ", ".join(CUSTOM_OPS))
+            continue
+        if not callable(op):
+            raise ValueError(f"custom op {name!r} must be callable, got {type(op).__name__}")
+        known[name] = op
+    token = _current_ops.set(known)
+    try:
+        yield
+    finally:
+        _current_ops.reset(token)
+
+
+def lookup(name: str) -> Callable | None:
+    """The fused op ``name`` of the current scope, or ``None`` (no scope, or not offered)."""
+    if name not in CUSTOM_OPS:
+        raise ValueError(f"unknown custom op {name!r}; known: {', '.join(CUSTOM_OPS)}")
+    return _current_ops.get().get(name)

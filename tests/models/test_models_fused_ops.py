@@ -1,0 +1,93 @@
+"""Models built with runtime_kernels' fused ops compute what the plain-torch models compute.
+
+Both models load the same tiny random checkpoint; the fused one is built inside
+``custom_ops_scope`` with the Triton kernels (run by Triton's CPU interpreter unless a
+GPU compiles them). Steps mix prefills, prefill chunks that continue from the paged
+cache and decodes, and the final hidden states are compared in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import PagedRunner
+from tiny_models import build_tiny_model
+
+from runtime.model_loader import load_model, resolve_model
+from runtime.models.ops import CUSTOM_OPS, custom_ops_scope
+
+pytest.importorskip("triton")
+
+ATOL = {"cpu": 1e-5, "cuda": 2e-5}  # float32; a few ulps apart (rsqrt vs 1/sqrt, FMA)
+PROMPT_LENS = (3, 10)  # gemma3's window is 8: the longer prompt crosses it
+SCHEDULE = ([1, 2], [1, 1])  # a decode with a prefill chunk, then two decodes
+# Ops each architecture calls (Gemma 3's MLP is gelu-tanh, which has no fused op).
+USED_OPS = {
+    "llama": set(CUSTOM_OPS),
+    "qwen3": set(CUSTOM_OPS),
+    "gemma3": {"rms_norm", "fused_add_rms_norm", "rotary_embedding"},
+}
+
+
+def kernel_ops() -> dict:
+    from runtime_kernels.activation import silu_and_mul
+    from runtime_kernels.norm import fused_add_rms_norm, rms_norm
+    from runtime_kernels.rotary import rotary_embedding
+
+    return {
+        "rms_norm": rms_norm,
+        "fused_add_rms_norm": fused_add_rms_norm,
+        "rotary_embedding": rotary_embedding,
+        "silu_and_mul": silu_and_mul,
+    }
+
+
+def counted(ops: dict, calls: dict[str, int]) -> dict:
+    def wrap(name, fn):
+        def op(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return op
+
+    return {name: wrap(name, fn) for name, fn in ops.items()}
+
+
+def run_schedule(model, vocab_size: int) -> list[torch.Tensor]:
+    """Final hidden states ``[num_tokens, hidden]`` of each step of the fixed schedule."""
+    generator = torch.Generator().manual_seed(7)
+    runner = PagedRunner(model, num_requests=len(PROMPT_LENS), block_size=4, seed=3)
+    steps = [[torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]]
+    steps += [[torch.randint(0, vocab_size, (q,), generator=generator).tolist() for q in lens] for lens in SCHEDULE]
+    return [runner.step_hidden(tokens).float().cpu() for tokens in steps]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_fused_model_matches_plain_model(arch, kernel_device, tmp_path):
+    resolved = resolve_model(build_tiny_model(arch, tmp_path))
+    plain = load_model(resolved, dtype=torch.float32, device=kernel_device)
+    calls: dict[str, int] = {}
+    with custom_ops_scope(counted(kernel_ops(), calls)):
+        fused = load_model(resolved, dtype=torch.float32, device=kernel_device)
+
+    vocab_size = resolved.hf_config.vocab_size
+    expected, got = run_schedule(plain, vocab_size), run_schedule(fused, vocab_size)
+    assert set(calls) == USED_OPS[arch]
+    for step, (want, have) in enumerate(zip(expected, got)):
+        assert want.abs().max() > 0.5, "hidden states too small for the comparison to mean much"
+        torch.testing.assert_close(have, want, atol=ATOL[kernel_device], rtol=0, msg=f"{arch} step {step}")
+
+
+def test_norm_kernel_without_fused_add(kernel_device, tmp_path):
+    """A platform with ``rms_norm`` only: the residual add, rotary and MLP stay in torch."""
+    resolved = resolve_model(build_tiny_model("qwen3", tmp_path))
+    plain = load_model(resolved, dtype=torch.float32, device=kernel_device)
+    calls: dict[str, int] = {}
+    ops = {"rms_norm": kernel_ops()["rms_norm"]}
+    with custom_ops_scope(counted(ops, calls)):
+        fused = load_model(resolved, dtype=torch.float32, device=kernel_device)
+
+    vocab_size = resolved.hf_config.vocab_size
+    for want, have in zip(run_schedule(plain, vocab_size), run_schedule(fused, vocab_size)):
+        torch.testing.assert_close(have, want, atol=ATOL[kernel_device], rtol=0)
+    assert set(calls) == {"rms_norm"}
