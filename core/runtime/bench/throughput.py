@@ -120,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16, help="padded batch size of transformers generate")
     parser.add_argument("--hf-max-batch-tokens", type=int, default=2048, help="token budget of transformers generate_batch")
     parser.add_argument("--hf-dtype", default=None, help="dtype of the transformers peer (default: --dtype)")
+    parser.add_argument(
+        "--hf-num-prompts", type=int, default=None,
+        help="run the transformers peers on only the first N requests (when the whole workload would take hours)",
+    )
     parser.add_argument("--output-json", default=None, help="write the results here")
     parser.add_argument("--quiet", action="store_true")
     add_engine_args(parser)
@@ -138,16 +142,26 @@ def main(args) -> int:
         args.model = default_model_path()
     vocab = int(resolve_model(args.model).hf_config.vocab_size)
     workload = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed)
+    peer_workload = workload
+    if args.hf_num_prompts is not None:
+        n = args.hf_num_prompts
+        if not 0 < n <= len(workload.prompts):
+            raise ValueError(f"--hf-num-prompts must be in 1..{len(workload.prompts)} (--num-prompts), got {n}")
+        peer_workload = Workload(workload.prompts[:n], workload.output_lens[:n])
     runners = {
-        "runtime": lambda: run_runtime(args, workload),
-        "hf": lambda: run_hf(args, workload, batched=False),
-        "hf-batch": lambda: run_hf(args, workload, batched=True),
+        "runtime": lambda: (workload, run_runtime(args, workload)),
+        "hf": lambda: (peer_workload, run_hf(args, peer_workload, batched=False)),
+        "hf-batch": lambda: (peer_workload, run_hf(args, peer_workload, batched=True)),
     }
-    results = [report(b, workload, runners[b]()) for b in backends]
+    results = [report(b, *runners[b]()) for b in backends]
     print(f"\n{len(workload.prompts)} requests, {workload.num_prompt_tokens} prompt + {workload.num_output_tokens} output tokens")
-    print(f"{'backend':<10} {'time s':>8} {'req/s':>8} {'total tok/s':>12} {'output tok/s':>13}")
+    if peer_workload is not workload:
+        print(f"transformers peers: the first {len(peer_workload.prompts)} requests, "
+              f"{peer_workload.num_prompt_tokens} prompt + {peer_workload.num_output_tokens} output tokens")
+    print(f"{'backend':<10} {'requests':>8} {'time s':>8} {'req/s':>8} {'total tok/s':>12} {'output tok/s':>13}")
     for r in results:
-        print(f"{r.backend:<10} {r.elapsed_s:>8.2f} {r.requests_per_s:>8.2f} {r.total_tokens_per_s:>12.1f} {r.output_tokens_per_s:>13.1f}")
+        print(f"{r.backend:<10} {r.num_requests:>8} {r.elapsed_s:>8.2f} {r.requests_per_s:>8.2f} "
+              f"{r.total_tokens_per_s:>12.1f} {r.output_tokens_per_s:>13.1f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

@@ -1,0 +1,125 @@
+"""Latency of one batch: time to first token and time per output token.
+
+In the shape of ``vllm bench latency``: a batch of ``--batch-size`` random-token
+prompts of ``--input-len`` tokens generates ``--output-len`` tokens each (EOS
+ignored). The end-to-end latency is averaged over ``--num-iters`` runs after
+``--num-iters-warmup``; the same batch with one output token gives the time to
+first token (TTFT), and the time per output token is
+``(latency - TTFT) / (output_len - 1)``. Transformers' ``generate`` is the peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+BACKENDS = ("runtime", "hf")
+
+
+@dataclass
+class LatencyResult:
+    backend: str
+    latency_s: float  # whole batch, output_len tokens
+    ttft_s: float  # whole batch, one token
+
+    def tpot_ms(self, output_len: int) -> float:
+        return 1000 * (self.latency_s - self.ttft_s) / max(output_len - 1, 1)
+
+
+def _mean_time(run: Callable[[int], None], num_tokens: int, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        run(num_tokens)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        run(num_tokens)
+        times.append(time.perf_counter() - start)
+    return statistics.fmean(times)
+
+
+def runtime_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
+    from runtime import LLM, SamplingParams
+    from runtime.bench.throughput import engine_kwargs
+
+    llm = LLM(**engine_kwargs(args))
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+
+    def run(num_tokens: int) -> None:
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, detokenize=False)
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == num_tokens for o in outputs)
+
+    return run
+
+
+def hf_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
+    import torch
+
+    from runtime.bench.throughput import _hf_model
+
+    model = _hf_model(args)
+    ids = torch.tensor(prompts, device=model.device)
+
+    @torch.inference_mode()
+    def run(num_tokens: int) -> None:
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                       min_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
+
+    return run
+
+
+def measure(args, backend: str, prompts: list[list[int]]) -> LatencyResult:
+    run = (runtime_runner if backend == "runtime" else hf_runner)(args, prompts)
+    latency = _mean_time(run, args.output_len, args.num_iters, args.num_iters_warmup)
+    ttft = _mean_time(run, 1, args.num_iters, args.num_iters_warmup)
+    return LatencyResult(backend, latency, ttft)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from runtime.cli.args import add_engine_args
+
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-iters-warmup", type=int, default=1)
+    parser.add_argument("--num-iters", type=int, default=3)
+    parser.add_argument("--backends", default="runtime", help=f"comma-separated, from {', '.join(BACKENDS)}")
+    parser.add_argument("--hf-dtype", default=None, help="dtype of the transformers peer (default: --dtype)")
+    add_engine_args(parser)
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("latency", help="time to first token and per output token of one batch")
+    add_arguments(parser)
+    parser.set_defaults(func=main)
+
+
+def main(args) -> int:
+    import random
+
+    from runtime.model_loader import resolve_model
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    if args.output_len < 2:
+        raise ValueError(f"--output-len must be at least 2 to measure time per output token, got {args.output_len}")
+    if not args.model:
+        from runtime.cli.serve import default_model_path
+
+        args.model = default_model_path()
+    vocab = int(resolve_model(args.model).hf_config.vocab_size)
+    rng = random.Random(args.seed)
+    low_id = min(100, vocab // 2)
+    prompts = [[rng.randrange(low_id, vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+    results = [measure(args, b, prompts) for b in backends]
+    print(f"\nbatch {args.batch_size} x ({args.input_len} prompt + {args.output_len} output tokens), "
+          f"mean of {args.num_iters} runs")
+    print(f"{'backend':<10} {'latency s':>10} {'TTFT ms':>9} {'TPOT ms':>9}")
+    for r in results:
+        print(f"{r.backend:<10} {r.latency_s:>10.3f} {1000 * r.ttft_s:>9.2f} {r.tpot_ms(args.output_len):>9.2f}")
+    return 0

@@ -1,0 +1,53 @@
+"""`runtime bench latency` and `runtime bench throughput` end to end on a tiny dummy model."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from runtime.bench.step_overhead import tiny_config_folder
+
+COMMON = ["--load-format", "dummy", "--dtype", "float32", "--skip-tokenizer-init", "--platform", "cpu"]
+
+
+def run_bench(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime.cli.main", "bench", *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return tiny_config_folder(hidden=64, layers=2, vocab=512)
+
+
+def test_latency_reports_ttft_and_tpot_for_both_backends(model):
+    out = run_bench("latency", "--model", model, *COMMON, "--input-len", "8", "--output-len", "6", "--batch-size", "2",
+                    "--num-iters", "1", "--num-iters-warmup", "0", "--backends", "runtime,hf")
+    rows = {m.group(1): [float(x) for x in m.group(2).split()] for m in re.finditer(r"^(runtime|hf)\s+(.+)$", out, re.M)}
+    assert set(rows) == {"runtime", "hf"}, out
+    for latency, ttft_ms, tpot_ms in rows.values():
+        assert latency > 0 and ttft_ms > 0 and tpot_ms > 0
+        assert ttft_ms / 1000 < latency  # one token is quicker than six
+
+
+def test_throughput_peer_on_a_prefix_of_the_workload(model):
+    out = run_bench("throughput", "--model", model, *COMMON, "--num-prompts", "6", "--input-len", "4,8",
+                    "--output-len", "3,5", "--backends", "runtime,hf", "--hf-num-prompts", "2", "--quiet")
+    assert "transformers peers: the first 2 requests" in out
+    requests = {m.group(1): int(m.group(2)) for m in re.finditer(r"^(runtime|hf)\s+(\d+)\s", out, re.M)}
+    assert requests == {"runtime": 6, "hf": 2}, out
+
+
+def test_bad_peer_prefix_is_rejected(model):
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime.cli.main", "bench", "throughput", "--model", model, *COMMON,
+         "--num-prompts", "3", "--hf-num-prompts", "5", "--backends", "hf"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0 and "--hf-num-prompts must be in 1..3" in result.stderr
