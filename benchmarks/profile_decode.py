@@ -11,7 +11,8 @@ Fills the engine with ``--num-requests`` requests of ``--context`` random prompt
 
     python3 benchmarks/profile_decode.py --model benchmarks/configs/qwen3-0.6b --num-requests 256 --context 800
 
-Compare ``--enforce-eager`` against the default (CUDA graphs). Writes
+Compare ``--enforce-eager`` against the default (CUDA graphs), and ``--async-scheduling``
+(host phases then overlap the device; "launch" is the host time to queue a step). Writes
 ``$OUT/profile_decode_<label>.json`` when ``OUT`` is set.
 """
 
@@ -50,7 +51,7 @@ def build_engine(args):
     engine_args = EngineArgs(
         model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, platform="cuda",
         max_num_seqs=args.num_requests, max_model_len=args.context + args.steps + 64,
-        enforce_eager=args.enforce_eager, enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager, enable_prefix_caching=False, async_scheduling=args.async_scheduling,
     )
     return LLMEngine.from_engine_args(engine_args)
 
@@ -79,6 +80,7 @@ def time_phases(engine, steps: int) -> dict[str, float]:
     timer = PhaseTimer()
     core.scheduler.schedule = timer.wrap("schedule", core.scheduler.schedule)
     core.executor.execute_model = timer.wrap("worker", core.executor.execute_model)
+    core.executor.execute_model_async = timer.wrap("launch", core.executor.execute_model_async)
     core.scheduler.update_from_output = timer.wrap("update", core.scheduler.update_from_output)
     engine.output_processor.process_outputs = timer.wrap("outputs", engine.output_processor.process_outputs)
     per_step = defaultdict(list)
@@ -118,8 +120,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
-    label = f"{os.path.basename(os.path.normpath(args.model))}-{args.num_requests}x{args.context}-{'eager' if args.enforce_eager else 'graphs'}"
+    label = f"{os.path.basename(os.path.normpath(args.model))}-{args.num_requests}x{args.context}-{'eager' if args.enforce_eager else 'graphs'}{'-async' if args.async_scheduling else ''}"
     engine = build_engine(args)
     fill(engine, args)
     phases = time_phases(engine, args.steps)

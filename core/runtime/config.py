@@ -61,6 +61,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, "token budget of one engine step")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
     scheduling_policy: str = _arg("fcfs", "order of waiting requests", choices=SCHEDULING_POLICIES)
+    async_scheduling: bool = _arg(
+        False, "schedule each step while the device still runs the previous one (overlaps host work with the GPU)"
+    )
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel workers")
     executor: str = _arg("uniproc", "executor", kind="executor", flag_aliases=("--distributed-executor-backend",))
     platform: str | None = _arg(None, "hardware platform (default: first available)", kind="platform")

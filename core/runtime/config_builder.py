@@ -165,6 +165,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             max_model_len=max_len,
             enable_chunked_prefill=args.enable_chunked_prefill,
             policy=args.scheduling_policy,
+            async_scheduling=args.async_scheduling,
         ),
         parallel_config=ParallelConfig(args.tensor_parallel_size, args.executor),
         device_config=DeviceConfig(

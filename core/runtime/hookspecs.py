@@ -90,7 +90,9 @@ def register_executors(register):
 
     :param register: ``register(name, factory)``; ``factory(config)`` returns an
         object implementing :class:`runtime.executor.Executor`
-        (``initialize()``, ``execute_model(scheduler_output)``, ``shutdown()``).
+        (``initialize()``, ``execute_model(scheduler_output)``, ``shutdown()``, and optionally
+        ``execute_model_async(scheduler_output)`` returning an object with ``result()``, which
+        async scheduling needs).
 
     Selected with ``--executor`` (default: ``uniproc`` when
     ``--tensor-parallel-size`` is 1). Not firstresult.

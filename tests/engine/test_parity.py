@@ -38,6 +38,12 @@ SETTINGS = {
     "prefix_caching": dict(enable_prefix_caching=True, block_size=4),
     "chunked_prefill": dict(max_num_batched_tokens=8, enable_prefix_caching=False),
     "preemption": dict(num_gpu_blocks_override=24, block_size=4, max_model_len=96, max_num_batched_tokens=64),
+    # The next step is scheduled while the current one runs (tokens forwarded on the device).
+    "async": dict(async_scheduling=True),
+    "async_preemption": dict(
+        async_scheduling=True, num_gpu_blocks_override=24, block_size=4, max_model_len=96, max_num_batched_tokens=64
+    ),
+    "async_chunked_prefix": dict(async_scheduling=True, max_num_batched_tokens=8, enable_prefix_caching=True, block_size=4),
 }
 
 
@@ -46,15 +52,18 @@ def test_greedy_matches_transformers(reference, setting):
     arch, path, prompts, expected = reference
     llm = LLM(path, dtype="float32", **SETTINGS[setting])
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
-    runs = 2 if setting == "prefix_caching" else 1  # the second run reads the cached prefixes
+    runs = 2 if "prefix" in setting else 1  # the second run reads the cached prefixes
     for _ in range(runs):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         label = f"{arch}/{setting}"
         check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], label)
         for (_, ref_steps), out in zip(expected, outputs):
             check_logprobs_close(ref_steps, out.outputs[0].logprobs, atol=2e-3, label=label)
-    stats = llm.llm_engine.engine_core.scheduler
-    if setting == "prefix_caching":
+    core = llm.llm_engine.engine_core
+    stats = core.scheduler
+    if "prefix" in setting:
         assert stats.kv_cache_manager.stats.hits > 0
-    if setting == "preemption":
+    if "preemption" in setting:
         assert stats.num_preemptions > 0
+    if "async" in setting:
+        assert core.num_steps_ahead > NUM_NEW_TOKENS // 2  # most steps were queued behind a running one

@@ -31,8 +31,8 @@ def run_step(scheduler, token=7):
     so = scheduler.schedule()
     sampled = [
         rid
-        for rid, n in so.num_scheduled_tokens.items()
-        if scheduler.requests[rid].num_computed_tokens + n >= scheduler.requests[rid].num_tokens
+        for rid in so.num_scheduled_tokens
+        if scheduler.requests[rid].num_output_placeholders  # schedule() marked it to sample
     ]
     out = scheduler.update_from_output(so, ModelRunnerOutput(sampled, [[token] for _ in sampled]))
     return so, out
@@ -182,3 +182,16 @@ def test_priority_policy_preempts_the_lowest_priority_running_request():
         if preempted:
             break
     assert preempted == ["low"]
+
+
+def test_eos_that_is_also_a_stop_token_id_reports_no_stop_reason():
+    s = make_scheduler()
+    s.add_request(make_request("eos", 4, max_tokens=10, stop_token_ids=[0]))
+    s.add_request(make_request("ign", 4, max_tokens=10, stop_token_ids=[0], ignore_eos=True))
+    s.add_request(make_request("min", 4, max_tokens=10, stop_token_ids=[0], min_tokens=2))
+    _, out = run_step(s, token=0)
+    reasons = {o.request_id: (o.finish_reason, o.stop_reason) for o in out.outputs}
+    # EOS wins over the same id in stop_token_ids; under ignore_eos the stop id still ends it.
+    assert reasons == {"eos": ("stop", None), "ign": ("stop", 0), "min": (None, None)}
+    _, out = run_step(s, token=0)
+    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in out.outputs] == [("min", "stop", None)]

@@ -16,7 +16,9 @@ def load_hf_model(model: str, dtype: torch.dtype | None, dummy: bool, seed: int)
     if dummy:
         torch.manual_seed(seed)
         config = AutoConfig.from_pretrained(folder, **kwargs)
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+        # Random init on the GPU: an 8B model takes minutes to initialize on the CPU.
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     else:
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or "auto", **kwargs)
     if torch.cuda.is_available():

@@ -7,6 +7,8 @@ else (scheduling, input preparation, output handling and detokenizing).
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
 import tempfile
 import time
@@ -45,51 +47,98 @@ class _Timer:
         return timed
 
 
-def measure(num_requests: int = 256, prompt_len: int = 32, output_len: int = 64, warmup_steps: int = 5) -> dict:
-    from runtime import RequestOutputKind, SamplingParams
+def _wrap_parts(engine) -> tuple[_Timer, dict[str, _Timer]]:
+    """Time the model (forward, logits, sampling) and the engine's own parts around it."""
+    core, runner = engine.engine_core, engine.engine_core.executor.worker.model_runner
+    model = _Timer()
+    runner.model.forward = model.wrap(runner.model.forward)
+    runner.model.compute_logits = model.wrap(runner.model.compute_logits)
+    runner.sampler.forward = model.wrap(runner.sampler.forward)
+    parts = {"schedule": _Timer(), "update_from_output": _Timer(), "output processor": _Timer()}
+    core.scheduler.schedule = parts["schedule"].wrap(core.scheduler.schedule)
+    core.scheduler.update_from_output = parts["update_from_output"].wrap(core.scheduler.update_from_output)
+    engine.output_processor.process_outputs = parts["output processor"].wrap(engine.output_processor.process_outputs)
+    return model, parts
+
+
+def _make_engine(num_requests: int, prompt_len: int, cpu_num_threads: int | None):
     from runtime.config import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
         model=tiny_config_folder(), load_format="dummy", dtype="float32", skip_tokenizer_init=True,
         max_num_seqs=num_requests, max_num_batched_tokens=max(num_requests * prompt_len, 8192), max_model_len=1024,
+        cpu_num_threads=cpu_num_threads,
     )
-    engine = LLMEngine.from_engine_args(args)
-    runner = engine.engine_core.executor.worker.model_runner
-    timer = _Timer()
-    runner.model.forward = timer.wrap(runner.model.forward)
-    runner.model.compute_logits = timer.wrap(runner.model.compute_logits)
-    runner.sampler.forward = timer.wrap(runner.sampler.forward)
+    return LLMEngine.from_engine_args(args)
+
+
+def _add_requests(engine, num_requests: int, prompt_len: int, output_len: int) -> None:
+    from runtime import RequestOutputKind, SamplingParams
+
     # As LLM.generate does: only finished outputs are built.
     params = SamplingParams(
         temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
     )
     for i in range(num_requests):
         engine.add_request(str(i), {"prompt_token_ids": [(i * 7 + j) % 2000 + 10 for j in range(prompt_len)]}, params)
-    overheads, totals = [], []
+
+
+def measure(
+    num_requests: int = 256,
+    prompt_len: int = 32,
+    output_len: int = 64,
+    warmup_steps: int = 5,
+    profile: int = 0,
+    cpu_num_threads: int | None = None,
+) -> dict:
+    """Median step times at ``num_requests`` running requests; ``profile > 0`` prints the
+    top ``profile`` functions (cProfile, by own time) over the measured steps.
+
+    ``cpu_num_threads=1`` keeps torch ops from waiting on a busy second core, which
+    makes the figures far steadier on a machine shared with other jobs.
+    """
+    engine = _make_engine(num_requests, prompt_len, cpu_num_threads)
+    model, parts = _wrap_parts(engine)
+    _add_requests(engine, num_requests, prompt_len, output_len)
+    profiler = cProfile.Profile() if profile else None
+    overheads, totals, part_times = [], [], {name: [] for name in parts}
     step = 0
     while engine.has_unfinished_requests():
-        timer.total = 0.0
+        for timer in (model, *parts.values()):
+            timer.total = 0.0
+        measured = step >= warmup_steps and engine.engine_core.scheduler.stats()["num_running"] == num_requests
+        if profiler is not None and measured:
+            profiler.enable()
         start = time.perf_counter()
         engine.step()
         elapsed = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
         step += 1
-        running = engine.engine_core.scheduler.stats()["num_running"]
-        if step > warmup_steps and running == num_requests:
+        # Measured: every request was running before the step and still is after it.
+        if measured and engine.engine_core.scheduler.stats()["num_running"] == num_requests:
             totals.append(elapsed)
-            overheads.append(elapsed - timer.total)
+            overheads.append(elapsed - model.total)
+            for name, timer in parts.items():
+                part_times[name].append(timer.total)
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     return {
         "num_running": num_requests,
         "steps_measured": len(overheads),
         "median_step_ms": 1000 * statistics.median(totals),
         "median_overhead_ms": 1000 * statistics.median(overheads),
         "mean_overhead_ms": 1000 * statistics.fmean(overheads),
+        "median_part_ms": {name: 1000 * statistics.median(times) for name, times in part_times.items()},
     }
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions (cProfile)")
+    parser.add_argument("--cpu-num-threads", type=int, default=None, help="torch threads (default: the platform's)")
 
 
 def register(sub) -> None:
@@ -99,10 +148,14 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    result = measure(args.num_requests, output_len=args.output_len)
+    result = measure(
+        args.num_requests, output_len=args.output_len, profile=args.profile, cpu_num_threads=args.cpu_num_threads
+    )
     print(
         f"{result['num_running']} running requests, {result['steps_measured']} decode steps: "
         f"step {result['median_step_ms']:.2f} ms median, outside the model {result['median_overhead_ms']:.2f} ms median "
         f"({result['mean_overhead_ms']:.2f} ms mean)"
     )
+    parts = ", ".join(f"{name} {ms:.2f}" for name, ms in result["median_part_ms"].items())
+    print(f"outside the model, medians of its parts (ms): {parts}; the rest is the worker's input and sampling preparation")
     return 0

@@ -138,6 +138,11 @@ class BaseDetokenizer:
 class NoopDetokenizer(BaseDetokenizer):
     """Keeps token ids only; the text stays "" (``detokenize=False`` or no tokenizer)."""
 
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+        # No text, so no stop string can hit: only the ids grow.
+        self.output_token_ids.extend(new_token_ids)
+        return None
+
     def _decode_next(self, token_id: int) -> str:
         return ""
 

@@ -70,7 +70,7 @@ class OutputProcessor:
         parents_seen: set[str] = set()
         for output in outputs:
             state = self.request_states.get(output.request_id)
-            if state is None:
+            if state is None or state.update_silently(output):
                 continue
             finish_reason, stop_reason, hit_stop_string = state.update(output)
             if hit_stop_string and not output.finished:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.engine.detokenizer import BaseDetokenizer, make_detokenizer
+from runtime.engine.detokenizer import BaseDetokenizer, NoopDetokenizer, make_detokenizer
 from runtime.engine.logprobs import TokenTexts, convert_logprobs
 from runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from runtime.engine.parent_request import ParentRequest
@@ -37,6 +37,28 @@ class RequestState:
         self.num_cached_tokens = 0
         self._num_sent_tokens = 0
         self._prompt_logprobs_sent = False
+        # FINAL_ONLY without text: until the last step, an output only adds token ids.
+        self._is_ids_only_final = self.output_kind == RequestOutputKind.FINAL_ONLY and isinstance(
+            self.detokenizer, NoopDetokenizer
+        )
+
+    def update_silently(self, output: EngineCoreOutput) -> bool:
+        """Take in an output that yields no RequestOutput and needs no text or logprobs.
+
+        Returns False, changing nothing, when ``output`` needs ``update`` and
+        ``make_completion_output`` (the last output, logprobs, text to build).
+        """
+        if (
+            not self._is_ids_only_final
+            or output.finish_reason is not None
+            or output.new_logprobs is not None
+            or output.new_prompt_logprobs is not None
+        ):
+            return False
+        if output.num_cached_tokens:
+            self.num_cached_tokens = output.num_cached_tokens
+        self.detokenizer.update(output.new_token_ids, False)
+        return True
 
     def update(self, output: EngineCoreOutput) -> tuple[FinishReason | None, int | str | None, bool]:
         """Take in one step's output; return ``(finish_reason, stop_reason, hit_stop_string)``."""

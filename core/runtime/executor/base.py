@@ -6,6 +6,7 @@ from typing import Protocol
 
 from runtime.config import EngineConfig
 from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.worker.pending import PendingOutput
 
 
 class Executor(Protocol):
@@ -16,6 +17,13 @@ class Executor(Protocol):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers; the first worker's output is returned."""
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """Queue one step on the workers and return at once; ``result()`` gives the output.
+
+        The engine may queue the next step before reading this one's result (async
+        scheduling); the workers take the newest tokens from the device then.
+        """
 
     def shutdown(self) -> None: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from runtime.config import EngineConfig
 from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.worker.pending import PendingOutput
 from runtime.worker.worker import Worker
 
 
@@ -20,6 +21,9 @@ class UniProcExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.worker.launch(scheduler_output)
 
     def shutdown(self) -> None:
         pass

@@ -33,6 +33,11 @@ class KVCacheManager:
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
         self.stats = PrefixCacheStats()
+        # A running request holds ceil(num_computed_tokens / block_size) blocks. When
+        # num_computed_tokens % block_size is in this range, its next token lands in the
+        # last block without filling it (or, without caching, may fill it: nothing is
+        # indexed then), so allocate_slots(request, 1) would change nothing and return [].
+        self.no_op_decode_offsets = range(1, block_size - 1 if enable_caching else block_size)
 
     @property
     def num_blocks(self) -> int:

@@ -40,7 +40,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority",
         "eos_token_ids", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
         "num_cached_tokens", "stop_reason", "num_preemptions", "block_hashes", "prompt_logprobs",
-        "max_tokens",
+        "max_tokens", "num_tokens", "stop_ids", "num_output_placeholders", "schedules_ahead",
     )
 
     def __init__(
@@ -69,6 +69,22 @@ class Request:
         self.block_hashes: list[int] = []  # hashes of full blocks, chained from the first
         self.prompt_logprobs: list[LogprobsLists] = []  # chunks, joined when the prompt is done
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.num_tokens = len(self.all_token_ids)  # prompt + outputs; kept by append_output_token
+        # Tokens scheduled to be sampled whose ids have not come back yet (at most one per
+        # step in flight): the scheduler counts them as known when it schedules ahead.
+        self.num_output_placeholders = 0
+        # Whether the next step may be scheduled before this one's tokens are back: not when
+        # sampling reads the request's own output ids on the host (penalties, min_tokens,
+        # the per-position seed) or the prompt logprobs still accumulate.
+        p = sampling_params
+        self.schedules_ahead = (
+            p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+            and not p.min_tokens and p.seed is None and p.prompt_logprobs is None
+        )
+        # Token ids that end the request (once min_tokens is reached): stop_token_ids, and EOS unless ignore_eos.
+        self.stop_ids = frozenset(sampling_params.stop_token_ids or ()).union(
+            () if sampling_params.ignore_eos else eos_token_ids
+        )
 
     @classmethod
     def from_engine_core_request(
@@ -85,10 +101,6 @@ class Request:
         )
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -99,6 +111,7 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_tokens += 1
 
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -67,7 +67,13 @@ class StepBuffers:
         # replays, are spread on the device into the full-width table the graphs captured.
         self.block_table_flat = StagedBuffer((max_num_reqs * max_blocks,), torch.int32, device)
         self.block_table = torch.zeros((max_num_reqs, max_blocks), dtype=torch.int32, device=device)
-        self.sampled = StagedBuffer((max_num_reqs,), torch.int64, device)
+        # Where the next step's inputs take tokens that are still on the device.
+        self.forward_dst = StagedBuffer((max_num_tokens,), torch.int64, device)
+        self.forward_src = StagedBuffer((max_num_tokens,), torch.int64, device)
+        # Two pinned landing places for sampled ids: a step's copy may be queued while
+        # the previous step's ids are still being read.
+        self.sampled = [torch.zeros(max_num_reqs, dtype=torch.int64, pin_memory=_pinned(device)) for _ in range(2)]
+        self.num_downloads = 0
         self.fence = CopyFence(device)
 
     def upload_block_table(self, rows: int, width: int, full_rows: int | None) -> torch.Tensor:
@@ -78,13 +84,26 @@ class StepBuffers:
         self.block_table[:rows, :width].copy_(compact)
         return self.block_table[:full_rows]
 
-    def download_sampled(self, token_ids: torch.Tensor) -> list[int]:
-        """Sampled ids ``[n]`` to a list, through pinned memory."""
-        n = token_ids.shape[0]
-        if self.sampled.dev is self.sampled.host:
-            return token_ids.tolist()
-        self.sampled.host[:n].copy_(token_ids, non_blocking=True)
+    def start_download(self, token_ids: torch.Tensor) -> TokenDownload:
+        """Begin copying sampled ids ``[n]`` to the host; ``wait()`` returns them as a list."""
+        if token_ids.device.type == "cpu":
+            return TokenDownload(token_ids, None)
+        host = self.sampled[self.num_downloads % 2][: token_ids.shape[0]]
+        self.num_downloads += 1
+        host.copy_(token_ids, non_blocking=True)
         event = torch.Event(device=token_ids.device)
         event.record()
-        event.synchronize()
-        return self.sampled.np[:n].tolist()
+        return TokenDownload(host, event)
+
+
+class TokenDownload:
+    """Sampled ids on their way to the host."""
+
+    def __init__(self, host: torch.Tensor, event):
+        self.host = host
+        self.event = event
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

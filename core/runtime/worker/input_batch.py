@@ -28,7 +28,10 @@ class CachedRequestState:
     sampling_params: SamplingParams
     num_blocks: int
     num_computed_tokens: int
-    num_tokens: int = 0  # prompt + outputs known to the worker
+    num_tokens: int = 0  # prompt + outputs, including a token sampled but still on the device
+    num_known: int = 0  # prompt + outputs whose ids the host has (num_tokens - num_known <= 2)
+    pending_index: int = -1  # row of this request's newest token in the sampled ids of step ``pending_step``
+    pending_step: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -68,6 +71,10 @@ class InputBatch:
         self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.requests: dict[str, CachedRequestState] = {}
+        # Tokens of the latest launched step, on the device: the next step may be launched
+        # before the host has them and then reads each request's newest token from here.
+        self.last_sampled: torch.Tensor | None = None
+        self.last_step = 0  # steps that sampled so far (numbers pending_step)
 
     def update_states(self, so: SchedulerOutput) -> None:
         """Apply the scheduler's changes: drop finished, add new, extend cached."""
@@ -82,7 +89,7 @@ class InputBatch:
             self.block_table[row, : len(new.block_ids)] = new.block_ids
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, row, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
-                len(new.block_ids), new.num_computed_tokens, len(tokens),
+                len(new.block_ids), new.num_computed_tokens, len(tokens), len(tokens),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -118,6 +125,7 @@ class InputBatch:
         # Padding: tokens with no request (slot -1: not cached), requests with no queries.
         b.input_ids.np[:num_tokens] = self.token_ids[rows[token_rows], positions]
         b.input_ids.np[num_tokens:tokens_out] = 0
+        forward = self._forward_pending(states, token_rows, positions)
         b.positions.np[:num_tokens] = positions
         b.positions.np[num_tokens:tokens_out] = 0
         block_numbers = self.block_table[rows[token_rows], positions // self.block_size]
@@ -129,6 +137,10 @@ class InputBatch:
         b.seq_lens.np[num_reqs:reqs_out] = 0
         width = int(-(-seq_lens.max() // self.block_size)) if num_reqs else 0
         b.block_table_flat.np[: num_reqs * width].reshape(num_reqs, width)[:] = self.block_table[rows, :width]
+        input_ids = b.input_ids.upload(tokens_out)
+        if forward is not None:  # newest tokens still on the device: copy them in place
+            dst, src = forward
+            input_ids[dst] = self.last_sampled[src]
         inputs = StepInputs(
             states=states,
             num_scheduled=num_scheduled,
@@ -136,7 +148,7 @@ class InputBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             positions=positions,
-            input_ids=b.input_ids.upload(tokens_out),
+            input_ids=input_ids,
             positions_t=b.positions.upload(tokens_out),
             slot_mapping=b.slot_mapping.upload(tokens_out),
             block_table=b.upload_block_table(num_reqs, width, padded),
@@ -148,8 +160,38 @@ class InputBatch:
         b.fence.record()
         return inputs
 
-    def append_token(self, state: CachedRequestState, token_id: int) -> None:
-        if state.num_tokens < self.max_model_len:
-            self.token_ids[state.row, state.num_tokens] = token_id
-        state.output_token_ids.append(token_id)
-        state.num_tokens += 1
+    def _forward_pending(self, states, token_rows: np.ndarray, positions: np.ndarray):
+        """Device indices (input slot, row of ``last_sampled``) of tokens the host does not have yet."""
+        num_known = np.fromiter((s.num_known for s in states), dtype=np.int64, count=len(states))
+        missing = np.nonzero(positions >= num_known[token_rows])[0]
+        if len(missing) == 0:
+            return None
+        pending = np.fromiter((s.pending_index for s in states), dtype=np.int64, count=len(states))
+        src = pending[token_rows[missing]]
+        stale = [states[r].req_id for r in token_rows[missing] if states[r].pending_step != self.last_step]
+        assert not stale and (positions[missing] == num_known[token_rows[missing]]).all(), (
+            f"requests {stale} need tokens that are neither on the host nor from the last step"
+        )
+        b = self.buffers
+        b.forward_dst.np[: len(missing)] = missing
+        b.forward_src.np[: len(missing)] = src
+        return b.forward_dst.upload(len(missing)), b.forward_src.upload(len(missing))
+
+    def sampled_on_device(self, states: list[CachedRequestState], token_ids: torch.Tensor) -> None:
+        """A launched step sampled ``token_ids`` [n] (on the device) for ``states``."""
+        self.last_sampled = token_ids
+        self.last_step += 1
+        for i, state in enumerate(states):
+            state.pending_index = i
+            state.num_tokens += 1
+            state.pending_step = self.last_step
+
+    def receive_tokens(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
+        """The host now has the tokens a step sampled; requests dropped since are skipped."""
+        for state, token in zip(states, token_ids):
+            if self.requests.get(state.req_id) is not state:
+                continue  # finished or preempted while the step ran: its row may be reused
+            if state.num_known < self.max_model_len:
+                self.token_ids[state.row, state.num_known] = token
+            state.output_token_ids.append(token)
+            state.num_known += 1

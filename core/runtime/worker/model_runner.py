@@ -15,6 +15,7 @@ from runtime.models.ops import custom_ops_scope
 from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.graphs import DecodeGraphs, can_capture
 from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
+from runtime.worker.pending import PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +132,20 @@ class ModelRunner:
         )
         return self.attn_backend.build_metadata(metadata)
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(so).result()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingOutput:
+        """Queue the step's work on the device; its sampled tokens come with ``result()``.
+
+        The next step may be launched before this one's result is read: a request whose
+        newest token is still on the device reads it from there (see InputBatch.prepare).
+        """
         batch = self.input_batch
         batch.update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
+            return PendingOutput.done(ModelRunnerOutput([], []))
         inputs = batch.prepare(so, self.graphs.batch_size if self.graphs is not None else None)
         if inputs.graph_size is not None:
             hidden = self.graphs.run(inputs.graph_size)[: so.total_num_scheduled_tokens]
@@ -146,7 +155,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         sample_rows = np.nonzero(inputs.sample_mask)[0]
         if len(sample_rows) == 0:
-            return ModelRunnerOutput([], [], None, prompt_logprobs)
+            return PendingOutput.done(ModelRunnerOutput([], [], None, prompt_logprobs))
         states = [inputs.states[i] for i in sample_rows]
         if len(sample_rows) == hidden.shape[0]:  # a decode step: every token is sampled
             logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
@@ -154,15 +163,9 @@ class ModelRunner:
             last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last_token])
         sampler_output = self.sampler(logits, self._sampling_metadata(states))
-        token_ids = batch.buffers.download_sampled(sampler_output.sampled_token_ids)
-        for state, token in zip(states, token_ids):
-            batch.append_token(state, token)
-        logprobs = None
-        if sampler_output.logprobs is not None:
-            from runtime.sample.logprobs import to_lists
-
-            logprobs = to_lists(sampler_output.logprobs, [s.sampling_params.logprobs or 0 for s in states])
-        return ModelRunnerOutput([s.req_id for s in states], [[t] for t in token_ids], logprobs, prompt_logprobs)
+        batch.sampled_on_device(states, sampler_output.sampled_token_ids)
+        download = batch.buffers.start_download(sampler_output.sampled_token_ids)
+        return PendingOutput(batch, states, download, sampler_output.logprobs, prompt_logprobs)
 
     def _sampling_metadata(self, states: list[CachedRequestState]):
         from runtime.sample.metadata import build_sampling_metadata

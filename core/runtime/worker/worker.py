@@ -9,6 +9,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.model_runner import ModelRunner
+from runtime.worker.pending import PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -36,3 +37,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        return self.model_runner.launch(scheduler_output)

@@ -38,6 +38,8 @@ SETTINGS = {
     "chunked_prefill": dict(max_num_batched_tokens=8, enable_prefix_caching=False),
     "preemption": dict(num_gpu_blocks_override=24, block_size=4, max_model_len=96, max_num_batched_tokens=64),
 }
+# The fastest configuration: graphs, and each step queued while the previous one runs.
+ASYNC_SETTINGS = {name: dict(kwargs, async_scheduling=True) for name, kwargs in SETTINGS.items()}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -76,6 +78,19 @@ def test_greedy_matches_transformers_on_gpu(reference, backend, graphs, setting)
         assert scheduler.kv_cache_manager.stats.hits > 0
     if setting == "preemption":
         assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("setting", list(ASYNC_SETTINGS))
+def test_greedy_matches_transformers_with_graphs_and_async_scheduling(reference, setting):
+    arch, path, prompts, expected = reference
+    llm = cuda_llm(path, "triton", True, **ASYNC_SETTINGS[setting])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    label = f"{arch}/triton-graphs-async/{setting}"
+    check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], label)
+    for (_, ref_steps), out in zip(expected, outputs):
+        check_logprobs_close(ref_steps, out.outputs[0].logprobs, atol=2e-3, label=label)
+    assert graph_replays(llm) > 0 and llm.llm_engine.engine_core.num_steps_ahead > 0
 
 
 @pytest.fixture(scope="module", params=ARCHS)

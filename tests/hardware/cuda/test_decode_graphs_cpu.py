@@ -81,10 +81,13 @@ def reference(tmp_path_factory):
     return path, prompts, reference_outputs(path, prompts, NUM_NEW_TOKENS)
 
 
-def test_padded_decode_replays_match_transformers(reference, replay_platform):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_padded_decode_replays_match_transformers(reference, replay_platform, async_scheduling):
+    """With async scheduling the replays also read each request's newest token from the
+    previous step's sampled ids (copied on the device into the graph's input buffer)."""
     path, prompts, expected = reference
     llm = LLM(path, platform="cpu-replay", attention_backend="triton-replay", dtype="float32", skip_tokenizer_init=True,
-              cuda_graph_sizes=SIZES, max_num_seqs=8, block_size=4)
+              cuda_graph_sizes=SIZES, max_num_seqs=8, block_size=4, async_scheduling=async_scheduling)
     assert len(replay_platform.captured) == len(SIZES)
     # Different lengths: the decode batch shrinks 8 -> 1, so most steps pad (7 -> 8, 5 -> 8, 3 -> 4, ...).
     lengths = [NUM_NEW_TOKENS - i for i in range(len(prompts))]
@@ -98,6 +101,8 @@ def test_padded_decode_replays_match_transformers(reference, replay_platform):
     # Captured largest first: index 0 is size 8. Every decode step replayed, at several sizes.
     assert len(replay_platform.replayed) >= 3, replay_platform.replayed
     assert sum(replay_platform.replayed.values()) >= NUM_NEW_TOKENS - 1
+    if async_scheduling:
+        assert llm.llm_engine.engine_core.num_steps_ahead >= NUM_NEW_TOKENS - 2
 
 
 def test_enforce_eager_captures_nothing(reference, replay_platform):
