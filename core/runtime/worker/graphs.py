@@ -25,6 +25,8 @@ from runtime.worker.buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
+WARM_UP_PREFILL_TOKENS = 256  # enough queries for the prefill launch shapes of the attention kernel
+
 
 def can_capture(platform, backend, sizes: tuple[int, ...]) -> str | None:
     """Why this engine runs without graphs, or None when it can capture them."""
@@ -59,8 +61,9 @@ class DecodeGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, prefill_tokens: int = WARM_UP_PREFILL_TOKENS) -> None:
         start = time.perf_counter()
+        self.warm_up_prefill(prefill_tokens)
         self._fill_dummy_inputs()
         pool = self.platform.graph_pool()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
@@ -68,6 +71,40 @@ class DecodeGraphs:
             step()  # compile kernels and create lazy state outside the capture
             self.replays[size] = self.platform.capture_graph(step, pool)
         logger.info("captured %d decode graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+    def warm_up_prefill(self, num_tokens: int) -> None:
+        """One eager step with a prefill chunk and a decode, caching nothing.
+
+        Compiles the kernel variants of mixed batches now rather than inside the first
+        timed requests (decode variants are compiled by the graph warm-ups).
+        """
+        b = self.buffers
+        num_tokens = max(2, min(num_tokens, b.input_ids.host.shape[0] - 1, self.max_model_len - 1))
+        total = num_tokens + 1
+        b.input_ids.host[:total] = 0
+        b.positions.host[:num_tokens] = torch.arange(num_tokens)
+        b.positions.host[num_tokens] = 0
+        b.slot_mapping.host[:total] = -1
+        b.query_start_loc.host[:3] = torch.tensor([0, num_tokens, total], dtype=torch.int32)
+        b.seq_lens.host[:2] = torch.tensor([num_tokens, 1], dtype=torch.int32)
+        b.block_table.zero_()
+        metadata = AttentionMetadata(
+            num_reqs=2,
+            num_tokens=total,
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_start_loc=b.query_start_loc.upload(3),
+            seq_lens=b.seq_lens.upload(2),
+            block_table=b.block_table[:2],
+            slot_mapping=b.slot_mapping.upload(total),
+            query_start_loc_cpu=b.query_start_loc.np[:3].copy(),
+            seq_lens_cpu=b.seq_lens.np[:2].copy(),
+            block_size=self.block_size,
+        )
+        metadata = self.backend.build_metadata(metadata)
+        with set_forward_context(self.backend, metadata, self.kv_caches):
+            self.model(b.input_ids.upload(total), b.positions.upload(total))
+        self.platform.synchronize()
 
     def run(self, size: int) -> torch.Tensor:
         """Replay the graph of ``size`` on the buffers' current contents: hidden states ``[size, hidden]``."""
