@@ -22,9 +22,10 @@ ATOL = {"cpu": 1e-5, "cuda": 2e-5}  # float32; a few ulps apart (rsqrt vs 1/sqrt
 PROMPT_LENS = (3, 10)  # gemma3's window is 8: the longer prompt crosses it
 SCHEDULE = ([1, 2], [1, 1])  # a decode with a prefill chunk, then two decodes
 # Ops each architecture calls (Gemma 3's MLP is gelu-tanh, which has no fused op).
+# gemv serves one-row steps in 16-bit dtypes only (tested on its own below).
 USED_OPS = {
-    "llama": set(CUSTOM_OPS),
-    "qwen3": set(CUSTOM_OPS),
+    "llama": set(CUSTOM_OPS) - {"gemv"},
+    "qwen3": set(CUSTOM_OPS) - {"gemv"},
     "gemma3": {"rms_norm", "fused_add_rms_norm", "rotary_embedding"},
 }
 
@@ -91,3 +92,26 @@ def test_norm_kernel_without_fused_add(kernel_device, tmp_path):
     for want, have in zip(run_schedule(plain, vocab_size), run_schedule(fused, vocab_size)):
         torch.testing.assert_close(have, want, atol=ATOL[kernel_device], rtol=0)
     assert set(calls) == {"rms_norm"}
+
+
+def test_one_row_steps_use_gemv_in_bfloat16(kernel_device, tmp_path):
+    """A batch-1 decode in bfloat16 runs every linear layer (and the logits) through gemv."""
+    from runtime_kernels.gemv import gemv
+
+    resolved = resolve_model(build_tiny_model("llama", tmp_path))
+    plain = load_model(resolved, dtype=torch.bfloat16, device=kernel_device)
+    calls: dict[str, int] = {}
+    with custom_ops_scope(counted({"gemv": gemv}, calls)):
+        fused = load_model(resolved, dtype=torch.bfloat16, device=kernel_device)
+
+    def decode(model) -> tuple[torch.Tensor, torch.Tensor]:
+        runner = PagedRunner(model, num_requests=1, block_size=4, seed=3)
+        runner.step_hidden([[5, 17, 99, 3]])  # the prompt: several rows, no gemv
+        hidden = runner.step_hidden([[42]])  # one row
+        return hidden.float().cpu(), model.compute_logits(hidden).cpu()
+
+    (want_hidden, want_logits), (have_hidden, have_logits) = decode(plain), decode(fused)
+    layers = resolved.hf_config.num_hidden_layers
+    assert calls == {"gemv": 4 * layers + 1}  # qkv, o, gate_up, down per layer, and the logits
+    torch.testing.assert_close(have_hidden, want_hidden, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(have_logits, want_logits, atol=0.05, rtol=0.02)

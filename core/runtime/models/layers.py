@@ -116,7 +116,29 @@ def act_and_mul(name: str) -> nn.Module:
     return ACTIVATIONS[name]()
 
 
-class MergedLinear(nn.Linear):
+def one_row_linear(gemv):
+    """``F.linear``, with ``gemv`` (if given) for one-row inputs in 16-bit dtypes."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if gemv is not None and x.shape[0] == 1 and x.dtype != torch.float32:
+            return gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    return linear
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that uses the platform's one-row kernel (``gemv``) for batch-1 steps."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self._linear = one_row_linear(lookup("gemv"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        return self._linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several projections of the same input stored as one matrix, their rows stacked.
 
     ``shard_sizes`` names each projection (``{"q": ..., "k": ..., "v": ...}``) in row
@@ -149,7 +171,7 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.backend import AttentionLayerSpec
-from runtime.models.layers import MLP, Attention, MergedLinear, RMSNorm
+from runtime.models.layers import MLP, Attention, Linear, MergedLinear, RMSNorm, one_row_linear
+from runtime.models.ops import lookup
 from runtime.models.rotary import RotaryEmbedding, Rotation, rope_parameters
 from runtime.models.weights import load_hf_weights
 
@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         self.q_norm = qk_norm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(
@@ -167,7 +167,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.build_model(config)
         self.lm_head = None
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._linear = one_row_linear(lookup("gemv"))
 
     def build_model(self, config) -> nn.Module:
         return LlamaModel(config, self.decoder_layer_cls)
@@ -177,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, vocab]
+        return self._linear(hidden, weight).float()  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_hf_weights(self, weights, self.stacked_params, self.tie_word_embeddings)

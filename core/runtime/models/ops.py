@@ -19,6 +19,9 @@ The names and signatures a platform may provide (:data:`CUSTOM_OPS`):
   "rotate half" layout); ``cos_sin_cache`` is [max_position, head_size] float32 with the
   cosines of each position's angles in the first half and the sines in the second.
 * ``silu_and_mul(x) -> out``: ``x`` [..., 2 * d] = ``[gate | up]`` -> ``silu(gate) * up``.
+* ``gemv(x, weight, bias=None) -> out``: ``F.linear`` for one row ``x`` [1, K]
+  (batch-1 decode steps), accumulating in float32; linear layers use it for one-row
+  inputs in 16-bit dtypes and cuBLAS otherwise.
 
 Names outside :data:`CUSTOM_OPS` are ignored, so a platform may offer ops that only
 newer models use.
@@ -33,7 +36,7 @@ from contextvars import ContextVar
 
 logger = logging.getLogger(__name__)
 
-CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gemv")
 
 _current_ops: ContextVar[Mapping[str, Callable]] = ContextVar("runtime_custom_ops", default={})
 

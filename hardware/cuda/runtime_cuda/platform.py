@@ -100,9 +100,10 @@ class CudaPlatform(Platform):
         the norms, the SiLU MLP activation and the rotary embedding run these kernels
         (see ``Platform.custom_ops`` for the names and signatures): ``rms_norm``,
         ``fused_add_rms_norm``, ``rotary_embedding`` (in place, from a cos/sin cache),
-        ``silu_and_mul``.
+        ``silu_and_mul``, ``gemv`` (one-row linear layers of batch-1 decode steps).
         """
         from runtime_kernels.activation import silu_and_mul
+        from runtime_kernels.gemv import gemv
         from runtime_kernels.norm import fused_add_rms_norm, rms_norm
         from runtime_kernels.rotary import rotary_embedding
 
@@ -111,6 +112,7 @@ class CudaPlatform(Platform):
             "fused_add_rms_norm": fused_add_rms_norm,
             "rotary_embedding": rotary_embedding,
             "silu_and_mul": silu_and_mul,
+            "gemv": gemv,
         }
 
     def set_threads(self, *args, **kwargs) -> None:

@@ -1,0 +1,55 @@
+"""One-row matrix-vector product ``out = weight @ x`` for batch-1 decoding.
+
+Grid ``(cdiv(N, BLOCK_N),)``: a program owns ``BLOCK_N`` output features and streams
+their weight rows in ``BLOCK_K`` slices, multiplying by the matching slice of ``x`` and
+accumulating ``[BLOCK_N, BLOCK_K]`` partial products in float32; one reduction at the end
+gives the outputs. The weight is read once, in full rows, which is all a decode step of
+one sequence does (the kernel is bound by memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K], rows at stride_w
+    bias_ptr,  # [N] or unused
+    out_ptr,  # [N]
+    N,
+    K,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+GEMV_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in (
+        (4, 512, 4, 3), (8, 256, 4, 3), (8, 512, 4, 3), (8, 512, 8, 3),
+        (16, 256, 4, 3), (16, 256, 8, 4), (16, 512, 8, 3), (32, 128, 4, 4),
+    )
+]
+
+# The launch shape per (N, K) is measured once per process on the first call (on the
+# device; the interpreter runs the plain kernel with a fixed shape instead).
+gemv_kernel_tuned = triton.autotune(configs=GEMV_CONFIGS, key=["N", "K"])(gemv_kernel)
