@@ -27,6 +27,9 @@ import time
 from collections import defaultdict
 
 
+MAX_TOKENS = 4096
+
+
 class PhaseTimer:
     """Wall time of wrapped callables, per phase, for the current step."""
 
@@ -50,7 +53,7 @@ def build_engine(args):
 
     engine_args = EngineArgs(
         model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, platform="cuda",
-        max_num_seqs=args.num_requests, max_model_len=args.context + args.steps + 64,
+        max_num_seqs=args.num_requests, max_model_len=args.context + MAX_TOKENS + 1,
         enforce_eager=args.enforce_eager, enable_prefix_caching=False, async_scheduling=args.async_scheduling,
     )
     return LLMEngine.from_engine_args(engine_args)
@@ -60,7 +63,8 @@ def fill(engine, args) -> None:
     from runtime import RequestOutputKind, SamplingParams
 
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 32, ignore_eos=True, detokenize=False,
+    # Long enough that no request finishes while steps are measured (prefill takes many steps).
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)
     for i in range(args.num_requests):
         engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 30000) for _ in range(args.context)]}, params)
@@ -127,6 +131,8 @@ def main() -> int:
     fill(engine, args)
     phases = time_phases(engine, args.steps)
     gpu_ms, kernels = gpu_kernel_time(engine, args.profile_steps)
+    running = engine.engine_core.scheduler.stats()["num_running"]
+    assert running == args.num_requests, f"only {running} of {args.num_requests} requests ran to the end"
     result = {"label": label, "host_ms": phases, "gpu_kernel_ms_per_step": gpu_ms, "top_kernels_ms": kernels}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile_decode_{label}.json"), "w") as f:
