@@ -6,7 +6,7 @@ name -> llama.cpp name), its dequantizers, and transformers' per-architecture fi
 ``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`` this
 
 * yields one tensor at a time instead of holding a float32 copy of the whole model,
-* does not parse the vocabulary again (the config already did, and it is slow), and
+* does not parse the file again (the config and tokenizer share one reader), and
 * builds gguf's name map once instead of once per submodule (seconds per model).
 """
 
@@ -22,10 +22,12 @@ from tqdm.auto import tqdm
 
 def gguf_weights(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hugging_face_name, float tensor)`` for each tensor of ``gguf_file``."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
-    reader = GGUFReader(gguf_file)
+    from runtime.model_loader.gguf_reader import gguf_reader
+
+    reader = gguf_reader(gguf_file)  # parsed once per process, shared with the config and tokenizer
     gguf_arch = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=hf_config.to_dict())
     name_map = gguf_to_hf_names(gguf_arch, hf_config, processor)

@@ -88,8 +88,11 @@ def _cached_gguf_config(gguf_file: str, mtime_ns: int, size: int):
     """Parsing a GGUF header is slow (it holds the whole vocabulary); do it once per process."""
     from transformers import AutoConfig
 
+    from runtime.model_loader.gguf_reader import shared_gguf_readers
+
     try:
-        config = AutoConfig.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
+        with shared_gguf_readers():
+            config = AutoConfig.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"could not read the config of GGUF file {gguf_file!r}: {exc}") from exc
     # A GGUF of a multimodal model (Gemma 3) carries only the language model.

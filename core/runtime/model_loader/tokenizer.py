@@ -34,4 +34,7 @@ def get_tokenizer(resolved: ResolvedModel):
 def _gguf_tokenizer(path: str, mtime_ns: int, size: int):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    from runtime.model_loader.gguf_reader import shared_gguf_readers
+
+    with shared_gguf_readers():
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
