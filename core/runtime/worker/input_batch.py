@@ -110,7 +110,7 @@ class InputBatch:
         num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
-        num_known = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        num_all = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)  # incl. on-device
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -154,7 +154,7 @@ class InputBatch:
             block_table=b.upload_block_table(num_reqs, width, padded),
             query_start_loc_t=b.query_start_loc.upload(reqs_out + 1),
             seq_lens_t=b.seq_lens.upload(reqs_out),
-            sample_mask=(num_computed + num_scheduled) >= num_known,
+            sample_mask=(num_computed + num_scheduled) >= num_all,
             graph_size=padded,
         )
         b.fence.record()
@@ -166,11 +166,12 @@ class InputBatch:
         missing = np.nonzero(positions >= num_known[token_rows])[0]
         if len(missing) == 0:
             return None
+        rows = token_rows[missing]
         pending = np.fromiter((s.pending_index for s in states), dtype=np.int64, count=len(states))
-        src = pending[token_rows[missing]]
-        stale = [states[r].req_id for r in token_rows[missing] if states[r].pending_step != self.last_step]
-        assert not stale and (positions[missing] == num_known[token_rows[missing]]).all(), (
-            f"requests {stale} need tokens that are neither on the host nor from the last step"
+        pending_step = np.fromiter((s.pending_step for s in states), dtype=np.int64, count=len(states))
+        src = pending[rows]
+        assert (pending_step[rows] == self.last_step).all() and (positions[missing] == num_known[rows]).all(), (
+            "a step needs tokens that are neither on the host nor sampled by the previous step"
         )
         b = self.buffers
         b.forward_dst.np[: len(missing)] = missing
