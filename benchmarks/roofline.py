@@ -16,6 +16,7 @@ import json
 import os
 
 import torch
+from cuda_timing import cuda_ms
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 
@@ -33,16 +34,7 @@ def matmul_rate() -> float:
 
 
 def _seconds(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / iters
+    return cuda_ms(fn, iters) / 1000
 
 
 def shape(name: str) -> tuple[float, float]:

@@ -17,6 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 import torch  # noqa: E402
 
 import runtime_kernels.attention as attn  # noqa: E402
+from cuda_timing import cuda_ms  # noqa: E402
 
 CASES = [  # (label, num_reqs, context, num_heads, num_kv_heads, head_size)
     ("W1 decode 256x840", 256, 840, 16, 8, 128),
@@ -38,19 +39,6 @@ def make_case(num_reqs, context, num_heads, num_kv_heads, head_size):
     return q, kv, table, qsl, seq_lens, kv_bytes
 
 
-def time_ms(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def main() -> None:
     default_tiles = attn.attention_tiles
     for label, num_reqs, context, heads, kv_heads, head in CASES:
@@ -68,14 +56,14 @@ def main() -> None:
 
             attn.attention_tiles = tiles
             try:
-                ms = time_ms(run)
+                ms = cuda_ms(run)
             except Exception as exc:  # out of shared memory and the like
                 print(f"  {label}: tile_n={tile_n} warps={warps} stages={stages} failed: {type(exc).__name__}")
                 continue
             finally:
                 attn.attention_tiles = default_tiles
             results.append((ms, tile_n, warps, stages))
-        base_ms = time_ms(run)
+        base_ms = cuda_ms(run)
         results.sort()
         print(f"{label}: default {base_ms * 1000:.1f} us ({kv_bytes / base_ms / 1e6:.0f} GB/s)")
         for ms, tile_n, warps, stages in results[:4]:
