@@ -1,8 +1,9 @@
-"""Sweep the launch shape of the unified attention kernel on decode batches (GPU only).
+"""Sweep the launch shape of the unified attention kernel (GPU only).
 
-For each case (requests x context, Qwen3-0.6B / Llama-8B head layout, bf16, 16-token
-blocks) times ``unified_attention`` with every (tile_n, num_warps, num_stages) in the
-grid, and prints the achieved KV read bandwidth next to the current default.
+For each case (requests x query tokens x context, Qwen3-0.6B / Llama-8B head layout,
+bf16, 16-token blocks) times ``unified_attention`` with every (block_m, tile_n,
+num_warps, num_stages) in the grid, and prints the achieved KV read bandwidth (decode
+cases) or FLOP rate (prefill cases, causal) next to the current default.
 
     python3 benchmarks/tune_attention.py
 """
@@ -19,21 +20,23 @@ import torch  # noqa: E402
 import runtime_kernels.attention as attn  # noqa: E402
 from cuda_timing import cuda_ms  # noqa: E402
 
-CASES = [  # (label, num_reqs, context, num_heads, num_kv_heads, head_size)
-    ("W1 decode 256x840", 256, 840, 16, 8, 128),
-    ("W3 decode 1x400", 1, 400, 32, 8, 128),
+CASES = [  # (label, num_reqs, query tokens per request, context, num_heads, num_kv_heads, head_size)
+    ("W1 decode 256x840", 256, 1, 840, 16, 8, 128),
+    ("W3 decode 1x400", 1, 1, 400, 32, 8, 128),
+    ("W2 prefill 8x1000", 8, 1000, 1000, 32, 8, 128),
+    ("W1 prefill 16x512", 16, 512, 512, 16, 8, 128),
 ]
 BLOCK_SIZE = 16
 
 
-def make_case(num_reqs, context, num_heads, num_kv_heads, head_size):
+def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1):
     blocks_per_req = -(-context // BLOCK_SIZE)
     num_blocks = num_reqs * blocks_per_req + 1
     kv = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device="cuda")
     perm = torch.randperm(num_blocks - 1, device="cuda")[: num_reqs * blocks_per_req] + 1
     table = perm.view(num_reqs, blocks_per_req).to(torch.int32)
-    q = torch.randn(num_reqs, num_heads, head_size, dtype=torch.bfloat16, device="cuda")
-    qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(num_reqs * query_len, num_heads, head_size, dtype=torch.bfloat16, device="cuda")
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device="cuda") * query_len
     seq_lens = torch.full((num_reqs,), context, dtype=torch.int32, device="cuda")
     kv_bytes = 2 * num_reqs * context * num_kv_heads * head_size * 2
     return q, kv, table, qsl, seq_lens, kv_bytes
@@ -41,33 +44,40 @@ def make_case(num_reqs, context, num_heads, num_kv_heads, head_size):
 
 def main() -> None:
     default_tiles = attn.attention_tiles
-    for label, num_reqs, context, heads, kv_heads, head in CASES:
-        q, kv, table, qsl, seq_lens, kv_bytes = make_case(num_reqs, context, heads, kv_heads, head)
+    for label, num_reqs, query_len, context, heads, kv_heads, head in CASES:
+        q, kv, table, qsl, seq_lens, kv_bytes = make_case(num_reqs, context, heads, kv_heads, head, query_len)
         out = torch.empty_like(q)
+        # causal prefill from position 0: q_len * (q_len + 1) / 2 scores per head, 4 * head FLOPs each
+        flops = num_reqs * heads * query_len * (query_len + 1) // 2 * 4 * head
 
         def run():
-            attn.unified_attention(q, kv[0], kv[1], out, qsl, seq_lens, table, 1, head**-0.5, max_seq_len=context)
+            attn.unified_attention(q, kv[0], kv[1], out, qsl, seq_lens, table, query_len, head**-0.5, max_seq_len=context)
 
+        def rate(ms):
+            return f"{kv_bytes / ms / 1e6:.0f} GB/s" if query_len == 1 else f"{flops / ms / 1e9:.0f} TFLOP/s"
+
+        block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
-        for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3)):
-            def tiles(max_query_len, group, head_size, tile_n=tile_n, warps=warps, stages=stages):
+        for block_m, tile_n, warps, stages in itertools.product(block_ms, (32, 64, 128), (2, 4, 8), (2, 3)):
+            def tiles(max_query_len, group, head_size, block_m=block_m, tile_n=tile_n, warps=warps, stages=stages):
                 base = default_tiles(max_query_len, group, head_size)
-                return attn.AttentionTiles(base.block_m, base.block_q, tile_n, warps, stages)
+                rows = block_m or base.block_m
+                return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages)
 
             attn.attention_tiles = tiles
             try:
                 ms = cuda_ms(run)
             except Exception as exc:  # out of shared memory and the like
-                print(f"  {label}: tile_n={tile_n} warps={warps} stages={stages} failed: {type(exc).__name__}")
+                print(f"  {label}: block_m={block_m} tile_n={tile_n} warps={warps} stages={stages} failed: {type(exc).__name__}")
                 continue
             finally:
                 attn.attention_tiles = default_tiles
-            results.append((ms, tile_n, warps, stages))
+            results.append((ms, block_m, tile_n, warps, stages))
         base_ms = cuda_ms(run)
         results.sort()
-        print(f"{label}: default {base_ms * 1000:.1f} us ({kv_bytes / base_ms / 1e6:.0f} GB/s)")
-        for ms, tile_n, warps, stages in results[:4]:
-            print(f"   tile_n={tile_n:<4} warps={warps} stages={stages}: {ms * 1000:.1f} us ({kv_bytes / ms / 1e6:.0f} GB/s)")
+        print(f"{label}: default {base_ms * 1000:.1f} us ({rate(base_ms)})")
+        for ms, block_m, tile_n, warps, stages in results[:4]:
+            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}: {ms * 1000:.1f} us ({rate(ms)})")
 
 
 if __name__ == "__main__":

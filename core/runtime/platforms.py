@@ -62,6 +62,9 @@ class Platform:
         * ``rotary_embedding(positions, query, key, cos_sin_cache) -> (query, key)``, in place;
           the cache is ``[max_position, head_size]`` float32, cos | sin
         * ``silu_and_mul(x) -> out``, ``x`` = ``[gate | up]``
+        * ``gemv(x, weight, bias=None) -> out``, one-row ``F.linear``
+        * ``top_k_top_p(logits, top_k, top_p, max_top_k) -> logits``, the sampler's filters
+          when top-k bounds every row (the sampler looks it up too)
 
         They must match the plain modules' numerics (``runtime.models.ops`` says how)
         and be safe to capture in a graph: no host syncs, no data-dependent control flow.

@@ -6,7 +6,10 @@ selection); top-k and top-p are decided among those candidates, with top-p's sof
 denominator taken over the whole row by ``logsumexp``. A row whose kept set might reach
 past the candidates (top-k off and the candidates hold less than ``top_p`` of the
 mass) falls back to the reference for that row alone. Rows with neither filter are
-returned unchanged.
+returned unchanged. That fallback needs the host to know which rows, so the sampler
+uses :func:`top_k_top_p_bounded` instead: when every row that top-p filters also has a
+top-k, the ``max_top_k`` largest logits always cover the kept set, and nothing waits for
+the device.
 
 Differences from the reference, all on measure-zero inputs: tokens tied with the k-th
 largest logit are kept only when they are among the candidates, and with ``top_p == 1``
@@ -27,13 +30,48 @@ def top_k_top_p_filter(
     max_top_k: int | None = None,
     num_candidates: int = DEFAULT_NUM_CANDIDATES,
 ) -> torch.Tensor:
-    """``apply_top_p(apply_top_k(logits, top_k), top_p)`` with filtered tokens at -inf; a new tensor."""
+    """``apply_top_p(apply_top_k(logits, top_k), top_p)`` with filtered tokens at -inf; a new tensor.
+
+    Rows whose candidates may not cover their top-p set are redone with the full sort,
+    which needs the host to see which rows those are (one device sync when top-p is on).
+    """
     if top_k is None and top_p is None:
         return logits
-    num_rows, vocab = logits.shape
     if top_k is not None and max_top_k is None:
         max_top_k = int(top_k.max())
-    width = min(vocab, max(num_candidates, max_top_k or 0))
+    width = min(logits.shape[1], max(num_candidates, max_top_k or 0))
+    result, covered, has_p = _filter_candidates(logits, top_k, top_p, width)
+    fallback = (has_p & ~covered).nonzero().flatten()
+    if fallback.numel():
+        result[fallback] = top_k_top_p_filter_ref(
+            logits[fallback], None if top_k is None else top_k[fallback], top_p[fallback], max_top_k
+        )
+    return result
+
+
+def top_k_top_p_bounded(
+    logits: torch.Tensor,  # [N, V] float
+    top_k: torch.Tensor,  # [N] int, 0 = off
+    top_p: torch.Tensor | None,  # [N] float, 1.0 = off; every row with top_p < 1 has top_k > 0
+    max_top_k: int,  # top_k.max(), known on the host
+) -> torch.Tensor:
+    """Top-k then top-p when top-k bounds every filtered row: one ``topk``, no sort, no sync.
+
+    The caller promises that each row filtered by top-p also has a top-k, so every kept
+    token is among the row's ``max_top_k`` largest. The sampler uses this (nothing here
+    waits for the device, so it fits between asynchronously scheduled steps).
+    """
+    assert 0 < max_top_k <= logits.shape[1], (max_top_k, logits.shape)
+    return _filter_candidates(logits, top_k, top_p, max_top_k)[0]
+
+
+def _filter_candidates(logits, top_k, top_p, width):
+    """Filter each row among its ``width`` largest logits.
+
+    Returns the filtered logits (rows without a filter unchanged), per row whether its
+    kept set is known to lie among the candidates, and which rows top-p filters.
+    """
+    num_rows = logits.shape[0]
     values, indices = logits.topk(width, dim=1)  # [N, width], descending
     keep = torch.ones_like(values, dtype=torch.bool)
     has_k = torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
@@ -48,13 +86,7 @@ def top_k_top_p_filter(
         keep = torch.where(has_p[:, None], keep_p, keep)
         covered |= enough_mass
     filtered = torch.full_like(logits, float("-inf")).scatter_(1, indices, values.masked_fill(~keep, float("-inf")))
-    result = torch.where((has_k | has_p)[:, None], filtered, logits)
-    fallback = (has_p & ~covered).nonzero().flatten()
-    if fallback.numel():
-        result[fallback] = top_k_top_p_filter_ref(
-            logits[fallback], None if top_k is None else top_k[fallback], top_p[fallback], max_top_k
-        )
-    return result
+    return torch.where((has_k | has_p)[:, None], filtered, logits), covered, has_p
 
 
 def _top_p_among_candidates(logits, values, keep, has_k, top_p):

@@ -1,11 +1,15 @@
-"""top_k_top_p_filter (partial selection) against the sampler's sort-based filters."""
+"""top_k_top_p_filter / top_k_top_p_bounded (partial selection) against the sampler's sort-based filters,
+and the sampler drawing the same tokens with the bounded op as with its sort."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime_kernels.sampling import top_k_top_p_filter, top_k_top_p_filter_ref
+from runtime.models.ops import custom_ops_scope
+from runtime.sample import Sampler, build_sampling_metadata
+from runtime.sampling_params import SamplingParams
+from runtime_kernels.sampling import top_k_top_p_bounded, top_k_top_p_filter, top_k_top_p_filter_ref
 
 VOCAB = 3000
 
@@ -46,3 +50,41 @@ def test_no_filter_returns_input():
     logits = logits_rows(2, seed=3)
     assert top_k_top_p_filter(logits, None, None) is logits
     assert torch.equal(top_k_top_p_filter(logits, torch.tensor([0, 0]), torch.tensor([1.0, 1.0])), logits)
+
+
+def test_bounded_matches_reference(device):
+    logits = logits_rows(6, seed=4).to(device)
+    k = torch.tensor([10, 0, 1, 400, 3, 0], device=device)  # rows 1 and 5: no top-k, so no top-p either
+    p = torch.tensor([0.8, 1.0, 0.5, 0.5, 1.0, 1.0], device=device)
+    got = top_k_top_p_bounded(logits, k, p, max_top_k=400)
+    assert torch.equal(got, top_k_top_p_filter_ref(logits, k, p))
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[5], logits[5])
+    assert torch.equal(top_k_top_p_bounded(logits, k, None, max_top_k=400), top_k_top_p_filter_ref(logits, k, None))
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], seed: int) -> torch.Tensor:
+    generators = [torch.Generator(logits.device).manual_seed(seed + i) for i in range(len(params))]
+    metadata = build_sampling_metadata(params, [[0]] * len(params), [[]] * len(params), generators, VOCAB, logits.device)
+    return sampler(logits, metadata).sampled_token_ids
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_sampler_with_the_op_draws_the_reference_tokens(bounded, device):
+    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=40, top_p=0.8),
+            SamplingParams(temperature=1.2, top_k=5), SamplingParams(temperature=0.7, top_k=300, top_p=0.95),
+            SamplingParams(temperature=1.0, top_p=0.9 if not bounded else 1.0)]  # unbounded: top-p without top-k
+    calls = []
+
+    def counting_op(*args):
+        calls.append(args)
+        return top_k_top_p_bounded(*args)
+
+    with custom_ops_scope({"top_k_top_p": counting_op}):
+        fused = Sampler()
+    plain = Sampler()
+    assert plain.top_k_top_p is None
+    for step in range(5):
+        logits = logits_rows(len(rows), seed=10 + step).to(device)
+        assert torch.equal(_sample(fused, logits, rows, seed=step), _sample(plain, logits, rows, seed=step))
+    assert len(calls) == (5 if bounded else 0)  # the op runs only when top-k bounds every top-p row
+

@@ -22,10 +22,11 @@ ATOL = {"cpu": 1e-5, "cuda": 2e-5}  # float32; a few ulps apart (rsqrt vs 1/sqrt
 PROMPT_LENS = (3, 10)  # gemma3's window is 8: the longer prompt crosses it
 SCHEDULE = ([1, 2], [1, 1])  # a decode with a prefill chunk, then two decodes
 # Ops each architecture calls (Gemma 3's MLP is gelu-tanh, which has no fused op).
-# gemv serves one-row steps in 16-bit dtypes only (tested on its own below).
+# gemv serves one-row steps in 16-bit dtypes only (tested on its own below); top_k_top_p
+# is the sampler's (tests/kernels/test_kernel_sampling.py).
 USED_OPS = {
-    "llama": set(CUSTOM_OPS) - {"gemv"},
-    "qwen3": set(CUSTOM_OPS) - {"gemv"},
+    "llama": set(CUSTOM_OPS) - {"gemv", "top_k_top_p"},
+    "qwen3": set(CUSTOM_OPS) - {"gemv", "top_k_top_p"},
     "gemma3": {"rms_norm", "fused_add_rms_norm", "rotary_embedding"},
 }
 

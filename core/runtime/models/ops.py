@@ -22,6 +22,10 @@ The names and signatures a platform may provide (:data:`CUSTOM_OPS`):
 * ``gemv(x, weight, bias=None) -> out``: ``F.linear`` for one row ``x`` [1, K]
   (batch-1 decode steps), accumulating in float32; linear layers use it for one-row
   inputs in 16-bit dtypes and cuBLAS otherwise.
+* ``top_k_top_p(logits, top_k, top_p, max_top_k) -> logits``: the sampler's top-k then
+  top-p filters (filtered logits at -inf, a new tensor) for batches where every row that
+  top-p filters also has a top-k (``top_p`` may be ``None``); no host sync. The sampler
+  picks it up when it is built inside the scope and keeps its sort otherwise.
 
 Names outside :data:`CUSTOM_OPS` are ignored, so a platform may offer ops that only
 newer models use.
@@ -36,7 +40,7 @@ from contextvars import ContextVar
 
 logger = logging.getLogger(__name__)
 
-CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gemv")
+CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gemv", "top_k_top_p")
 
 _current_ops: ContextVar[Mapping[str, Callable]] = ContextVar("runtime_custom_ops", default={})
 

@@ -26,6 +26,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None
     max_top_k: int  # largest top_k of the batch, 0 when top_k is None
     top_p: torch.Tensor | None  # [N] float32, 1.0 = off
+    top_k_bounds_top_p: bool  # every row with top_p < 1 also has top_k > 0 (True without top-p)
     min_p: torch.Tensor | None  # [N] float32, 0.0 = off
     presence_penalties: torch.Tensor | None  # [N] float32, 0.0 = off
     frequency_penalties: torch.Tensor | None  # [N] float32, 0.0 = off
@@ -98,6 +99,7 @@ def build_sampling_metadata(
         top_k=top_k,
         max_top_k=max_top_k,
         top_p=top_p,
+        top_k_bounds_top_p=all(p.top_k > 0 for p in random_params if p.top_p < 1.0),
         min_p=min_p,
         presence_penalties=presence,
         frequency_penalties=frequency,

@@ -5,6 +5,10 @@ Order, as in vLLM V1:
 2. logit_bias, the min_tokens stop mask, then the penalties (every row);
 3. greedy rows take the argmax;
 4. random rows: temperature, top-k, top-p, min-p, softmax, then one draw.
+
+Top-p sorts each row, unless the platform offers a ``top_k_top_p`` op
+(``runtime.models.ops``) and every row that top-p filters also has a top-k: then the
+kept tokens all lie among the ``max_top_k`` largest and one partial selection does.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from runtime.sample.filters import (
     apply_top_p,
     random_sample,
 )
+from runtime.models.ops import lookup
 from runtime.sample.logprobs import LogprobsTensors, gather_logprobs
 from runtime.sample.metadata import SamplingMetadata
 from runtime.sample.penalties import apply_logit_bias, apply_min_tokens_mask, apply_penalties
@@ -34,6 +39,11 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # The platform's sort-free top-k + top-p, if built inside a custom_ops_scope offering one.
+        self.top_k_top_p = lookup("top_k_top_p")
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [N, V] in any float dtype, rows in the order of ``metadata``."""
         assert logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
@@ -66,18 +76,20 @@ class Sampler(nn.Module):
             )
         return logits
 
-    @staticmethod
-    def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax, random rows draw. logits: [N, V] -> [N] int64."""
         greedy = None if metadata.all_random else logits.argmax(dim=1)  # [N]
         if metadata.all_greedy:
             return greedy
         assert metadata.temperature is not None
         logits = apply_temperature(logits, metadata.temperature)
-        if metadata.top_k is not None:
-            logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-        if metadata.top_p is not None:
-            logits = apply_top_p(logits, metadata.top_p)
+        if self.top_k_top_p is not None and metadata.top_k is not None and metadata.top_k_bounds_top_p:
+            logits = self.top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+        else:
+            if metadata.top_k is not None:
+                logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+            if metadata.top_p is not None:
+                logits = apply_top_p(logits, metadata.top_p)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         sampled = random_sample(logits.softmax(dim=1), metadata.generators)  # [N]

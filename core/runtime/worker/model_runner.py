@@ -60,12 +60,12 @@ class ModelRunner:
             self.model = load_model(
                 mc.resolved, load_format=self.config.load_config.load_format, dtype=mc.dtype, device=self.device, seed=mc.seed
             )
+            self.sampler = Sampler()
         self.attention_specs = self.model.attention_specs()
         head_size = self.attention_specs[0].head_size
         self.attn_backend = select_attention_backend(
             self.config.device_config.attention_backend, self.platform, mc.dtype, head_size
         )
-        self.sampler = Sampler()
 
     def model_memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -100,12 +100,14 @@ class CudaPlatform(Platform):
         the norms, the SiLU MLP activation and the rotary embedding run these kernels
         (see ``Platform.custom_ops`` for the names and signatures): ``rms_norm``,
         ``fused_add_rms_norm``, ``rotary_embedding`` (in place, from a cos/sin cache),
-        ``silu_and_mul``, ``gemv`` (one-row linear layers of batch-1 decode steps).
+        ``silu_and_mul``, ``gemv`` (one-row linear layers of batch-1 decode steps), and
+        ``top_k_top_p`` for the sampler (top-p within top-k from one ``topk``, no sort).
         """
         from runtime_kernels.activation import silu_and_mul
         from runtime_kernels.gemv import gemv
         from runtime_kernels.norm import fused_add_rms_norm, rms_norm
         from runtime_kernels.rotary import rotary_embedding
+        from runtime_kernels.sampling import top_k_top_p_bounded
 
         return {
             "rms_norm": rms_norm,
@@ -113,6 +115,7 @@ class CudaPlatform(Platform):
             "rotary_embedding": rotary_embedding,
             "silu_and_mul": silu_and_mul,
             "gemv": gemv,
+            "top_k_top_p": top_k_top_p_bounded,
         }
 
     def set_threads(self, *args, **kwargs) -> None:
