@@ -48,6 +48,31 @@ class SamplingMetadata:
         return self.output_token_ids is None
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits or reads them back (penalties, logit_bias,
+    min_tokens, logprobs, prompt logprobs): the row needs only the argmax."""
+    return (
+        params.is_greedy
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.logit_bias
+        and params.min_tokens == 0
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+    )
+
+
+def greedy_metadata(num_rows: int) -> SamplingMetadata:
+    """What :func:`build_sampling_metadata` gives for ``num_rows`` plain greedy rows, without
+    looking at them (the common decode step; see :func:`is_plain_greedy`)."""
+    return SamplingMetadata(
+        num_rows=num_rows, all_greedy=True, all_random=num_rows == 0, temperature=None, top_k=None, max_top_k=0,
+        top_p=None, top_k_bounds_top_p=True, min_p=None, presence_penalties=None, frequency_penalties=None,
+        repetition_penalties=None, prompt_token_ids=None, output_token_ids=None, logit_bias=None, min_tokens_mask=None,
+    )
+
+
 def build_sampling_metadata(
     params: list[SamplingParams],
     prompt_token_ids: list[list[int]],

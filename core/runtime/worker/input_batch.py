@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from runtime.sample.metadata import is_plain_greedy
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.output import SchedulerOutput
 from runtime.worker.buffers import StepBuffers
@@ -32,6 +33,7 @@ class CachedRequestState:
     num_known: int = 0  # prompt + outputs whose ids the host has (num_tokens - num_known <= 2)
     pending_index: int = -1  # row of this request's newest token in the sampled ids of step ``pending_step``
     pending_step: int = 0
+    plain_greedy: bool = False  # sampling needs only the argmax (runtime.sample.metadata.is_plain_greedy)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -90,6 +92,7 @@ class InputBatch:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, row, new.prompt_token_ids, list(new.output_token_ids), new.sampling_params,
                 len(new.block_ids), new.num_computed_tokens, len(tokens), len(tokens),
+                plain_greedy=is_plain_greedy(new.sampling_params),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]

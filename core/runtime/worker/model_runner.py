@@ -12,6 +12,7 @@ from runtime.config import EngineConfig
 from runtime.engine.messages import LogprobsLists
 from runtime.forward_context import set_forward_context
 from runtime.models.ops import custom_ops_scope
+from runtime.sample.metadata import greedy_metadata
 from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.graphs import DecodeGraphs, can_capture
 from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
@@ -152,17 +153,19 @@ class ModelRunner:
         else:
             with set_forward_context(self.attn_backend, self._metadata(inputs), self.kv_caches):
                 hidden = self.model(inputs.input_ids, inputs.positions_t)  # [num_tokens, hidden]
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        plain = all(s.plain_greedy for s in inputs.states)
+        prompt_logprobs = {} if plain else self._prompt_logprobs(inputs, hidden)
         sample_rows = np.nonzero(inputs.sample_mask)[0]
         if len(sample_rows) == 0:
             return PendingOutput.done(ModelRunnerOutput([], [], None, prompt_logprobs))
-        states = [inputs.states[i] for i in sample_rows]
+        states = inputs.states if len(sample_rows) == len(inputs.states) else [inputs.states[i] for i in sample_rows]
         if len(sample_rows) == hidden.shape[0]:  # a decode step: every token is sampled
             logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         else:
             last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last_token])
-        sampler_output = self.sampler(logits, self._sampling_metadata(states))
+        metadata = greedy_metadata(len(states)) if plain else self._sampling_metadata(states)
+        sampler_output = self.sampler(logits, metadata)
         batch.sampled_on_device(states, sampler_output.sampled_token_ids)
         download = batch.buffers.start_download(sampler_output.sampled_token_ids)
         return PendingOutput(batch, states, download, sampler_output.logprobs, prompt_logprobs)
