@@ -10,6 +10,7 @@ cases) or FLOP rate (prefill cases, causal) next to the current default.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
 
@@ -20,32 +21,38 @@ import torch  # noqa: E402
 import runtime_kernels.attention as attn  # noqa: E402
 from cuda_timing import cuda_ms  # noqa: E402
 
-CASES = [  # (label, num_reqs, query tokens per request, context, num_heads, num_kv_heads, head_size)
-    ("W1 decode 256x840", 256, 1, 840, 16, 8, 128),
-    ("W3 decode 1x400", 1, 1, 400, 32, 8, 128),
-    ("W2 prefill 8x1000", 8, 1000, 1000, 32, 8, 128),
-    ("W1 prefill 16x512", 16, 512, 512, 16, 8, 128),
-]
+CASES = {  # label: (num_reqs, query tokens per request, context, num_heads, num_kv_heads, head_size, cache dtype)
+    "W1 decode 256x840": (256, 1, 840, 16, 8, 128, torch.bfloat16),
+    "W3 decode 1x400": (1, 1, 400, 32, 8, 128, torch.bfloat16),
+    "W2 decode 256x1500": (256, 1, 1500, 32, 8, 128, torch.bfloat16),
+    "W2 decode 256x1500 fp8 cache": (256, 1, 1500, 32, 8, 128, torch.float8_e4m3fn),
+    "W2 prefill 8x1000": (8, 1000, 1000, 32, 8, 128, torch.bfloat16),
+    "W1 prefill 16x512": (16, 512, 512, 16, 8, 128, torch.bfloat16),
+}
 BLOCK_SIZE = 16
 
 
-def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1):
+def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1, cache_dtype=torch.bfloat16):
     blocks_per_req = -(-context // BLOCK_SIZE)
     num_blocks = num_reqs * blocks_per_req + 1
-    kv = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
     perm = torch.randperm(num_blocks - 1, device="cuda")[: num_reqs * blocks_per_req] + 1
     table = perm.view(num_reqs, blocks_per_req).to(torch.int32)
     q = torch.randn(num_reqs * query_len, num_heads, head_size, dtype=torch.bfloat16, device="cuda")
     qsl = torch.arange(num_reqs + 1, dtype=torch.int32, device="cuda") * query_len
     seq_lens = torch.full((num_reqs,), context, dtype=torch.int32, device="cuda")
-    kv_bytes = 2 * num_reqs * context * num_kv_heads * head_size * 2
+    kv_bytes = 2 * num_reqs * context * num_kv_heads * head_size * kv.element_size()
     return q, kv, table, qsl, seq_lens, kv_bytes
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    args = parser.parse_args()
     default_tiles = attn.attention_tiles
-    for label, num_reqs, query_len, context, heads, kv_heads, head in CASES:
-        q, kv, table, qsl, seq_lens, kv_bytes = make_case(num_reqs, context, heads, kv_heads, head, query_len)
+    for label in args.cases:
+        num_reqs, query_len, context, heads, kv_heads, head, cache_dtype = CASES[label]
+        q, kv, table, qsl, seq_lens, kv_bytes = make_case(num_reqs, context, heads, kv_heads, head, query_len, cache_dtype)
         out = torch.empty_like(q)
         # causal prefill from position 0: q_len * (q_len + 1) / 2 scores per head, 4 * head FLOPs each
         flops = num_reqs * heads * query_len * (query_len + 1) // 2 * 4 * head
@@ -59,8 +66,8 @@ def main() -> None:
         block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
         for block_m, tile_n, warps, stages in itertools.product(block_ms, (32, 64, 128), (2, 4, 8), (2, 3)):
-            def tiles(max_query_len, group, head_size, block_m=block_m, tile_n=tile_n, warps=warps, stages=stages):
-                base = default_tiles(max_query_len, group, head_size)
+            def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps, stages=stages):
+                base = default_tiles(max_query_len, group, head_size, cache_bytes)
                 rows = block_m or base.block_m
                 return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages)
 

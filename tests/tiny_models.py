@@ -94,3 +94,17 @@ def build_tiny_model(arch: str, path, seed: int = 0) -> str:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_untokenized_model(arch: str, path, seed: int = 0, vocab_size: int = 512) -> str:
+    """A tiny random float32 ``arch`` checkpoint (config + safetensors only) at ``path``, for
+    engines run with ``skip_tokenizer_init`` (no tokenizer package needed, e.g. on the GPU machine)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config(arch, vocab_size=vocab_size)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 0
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb(model)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)

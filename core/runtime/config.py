@@ -52,6 +52,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_offload: str | None = None
     kv_offload_size: float | None = None
+    cache_dtype: str = "auto"  # KV cache storage: "auto" (the model's dtype) or an 8-bit float
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.cache_dtype == "auto" else KV_CACHE_DTYPES[self.cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ def _arg(default, help: str, choices=None, kind: str | None = None, flag_aliases
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# 8-bit float KV caches store keys and values as they are (scale 1.0), as vLLM does without scales.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -128,6 +134,10 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = _arg(None, "number of KV cache blocks (overrides memory sizing)")
     kv_cache_memory_bytes: int | None = _arg(None, "bytes of memory for the KV cache")
     gpu_memory_utilization: float = _arg(0.9, "fraction of device memory the engine may use")
+    kv_cache_dtype: str = _arg(
+        "auto", "KV cache storage dtype: auto (the model's) or fp8 / fp8_e4m3 (8-bit floats, unscaled)",
+        choices=("auto",) + tuple(KV_CACHE_DTYPES),
+    )
     max_num_seqs: int = _arg(256, "maximum number of running requests")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one engine step")
     enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")

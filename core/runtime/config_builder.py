@@ -158,6 +158,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_offload=args.kv_offload,
             kv_offload_size=args.kv_offload_size,
+            cache_dtype=args.kv_cache_dtype,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -35,12 +35,19 @@ class AttentionTiles:
     num_stages: int
 
 
-def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int) -> AttentionTiles:
-    """Small programs for decode-only batches, larger ones when prefill chunks are present."""
+def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2) -> AttentionTiles:
+    """Small programs for decode-only batches, larger ones when prefill chunks are present.
+
+    Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step: the
+    conversion to the query's dtype, not the memory, bounds it at 64 (H200 sweep in
+    benchmarks/RESULTS.md).
+    """
     head_pad = next_power_of_2(max(head_size, 16))
     rows = 16 if max_query_len * num_queries_per_kv <= 16 else (64 if head_pad <= 128 else 32)
     block_m = max(rows, next_power_of_2(num_queries_per_kv))
     tile_n = 64 if head_pad <= 128 else 32
+    if cache_bytes == 1 and max_query_len == 1:
+        tile_n *= 2
     return AttentionTiles(block_m, block_m // num_queries_per_kv, tile_n, num_warps=4, num_stages=2)
 
 
@@ -100,7 +107,7 @@ def unified_attention(
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    tiles = attention_tiles(max_query_len, num_heads // num_kv_heads, head_size)
+    tiles = attention_tiles(max_query_len, num_heads // num_kv_heads, head_size, key_cache.element_size())
     head_pad = next_power_of_2(max(head_size, 16))
     if num_segments is None:
         num_segments = num_kv_segments(max_query_len, max_seq_len, num_reqs, num_kv_heads, tiles.tile_n, query.device)

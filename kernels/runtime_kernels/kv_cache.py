@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime_kernels.utils import check_last_dim_contiguous, next_power_of_2, require_triton
+from runtime_kernels.utils import check_last_dim_contiguous, interpreting, next_power_of_2, require_triton
 
 
 def reshape_and_cache(
@@ -31,6 +31,10 @@ def reshape_and_cache(
         check_last_dim_contiguous(name, t)
     if num_tokens == 0:
         return
+    if interpreting() and key_cache.element_size() == 1:
+        # Triton's interpreter rounds to 8-bit floats without carrying into the exponent
+        # (1.97 -> 1.0 instead of 2.0); convert with torch there. Compiled kernels convert.
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -44,10 +48,10 @@ def reshape_and_cache(
 
 
 def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """The same write with ``index_copy_`` over the flattened slots (skipping negative slots)."""
+    """The same write by indexing the flattened slots (skipping negative slots)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     flat_k = key_cache.view(-1, *key_cache.shape[2:])  # [num_slots, kv_heads, head_size]
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k.index_copy_(0, slots, key[keep].to(key_cache.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(value_cache.dtype))
+    flat_k[slots] = key[keep].to(key_cache.dtype)
+    flat_v[slots] = value[keep].to(value_cache.dtype)

@@ -105,6 +105,19 @@ def test_half_precision(device, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
 
 
+DECODES = [(c, 1) for c in (0, 5, 16, 33, 150, 1)]  # decode-only: the larger 8-bit tiles
+
+
+@pytest.mark.parametrize("requests", [MIXED, DECODES], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, BF16_TOL)])
+def test_fp8_cache(device, dtype, tol, requests):
+    """Keys and values stored as float8_e4m3fn are attended in the query's dtype."""
+    query, kv, qsl, seq_lens, table, max_q = make_batch(requests, 4, 2, 64, 16, dtype, device, seed=4)
+    kv = kv.to(torch.float8_e4m3fn)
+    out, ref = run_both((query, kv, qsl, seq_lens, table, max_q), 0.125, window=13)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
 def test_reference_matches_per_token_loop():
     requests = [(3, 2), (0, 3)]
     query, kv, qsl, seq_lens, table, _ = make_batch(requests, 4, 2, 16, 4, torch.float32, "cpu", seed=3)

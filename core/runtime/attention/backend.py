@@ -52,7 +52,13 @@ class AttentionLayerSpec:
 
 
 class AttentionBackend(Protocol):
-    """Paged attention over a KV cache, for mixed prefill + decode batches."""
+    """Paged attention over a KV cache, for mixed prefill + decode batches.
+
+    Optional flags (read with ``getattr``, default False): ``supports_graphs`` (safe to
+    capture in a CUDA graph) and ``supports_fp8_kv_cache`` (reads and writes caches of
+    ``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``; keys and values are stored
+    unscaled and attended in the query's dtype).
+    """
 
     name: str
 
@@ -104,6 +110,15 @@ def select_attention_backend(name: str | None, platform, dtype: torch.dtype, hea
     return comp.obj()
 
 
+def as_cached(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` as the cache gives them back: rounded through its dtype when it
+    is narrower (8-bit floats), unchanged otherwise. Backends that attend a fresh prompt's
+    keys without reading the cache use this, so every query sees the same stored keys."""
+    if kv_cache.dtype == key.dtype or kv_cache.element_size() >= key.element_size():
+        return key, value
+    return key.to(kv_cache.dtype).to(key.dtype), value.to(kv_cache.dtype).to(value.dtype)
+
+
 def write_kv_cache(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -117,6 +132,9 @@ def write_kv_cache(
     num_kv_heads, head_size = key.shape[1], key.shape[2]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
-    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        new = new.to(cache.dtype)
+        if cache.element_size() == 1:  # 8-bit floats have no index_copy_ on the CPU: copy their bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.index_copy_(0, slot_mapping, new)
     return key_cache, value_cache

@@ -67,12 +67,22 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(
             self.config.device_config.attention_backend, self.platform, mc.dtype, head_size
         )
+        cache_dtype = self.config.cache_config.cache_dtype
+        if cache_dtype != "auto" and not getattr(self.attn_backend, "supports_fp8_kv_cache", False):
+            raise ValueError(
+                f"attention backend {self.attn_backend.name!r} does not support kv_cache_dtype {cache_dtype!r}; "
+                "use kv_cache_dtype 'auto' or a backend that does (cpu_paged, triton, sdpa)"
+            )
 
     def model_memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.config.cache_config.kv_cache_torch_dtype(self.model_config.dtype)
+
     def kv_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.model_config.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return sum(2 * self.block_size * s.num_kv_heads * s.head_size * elem for s in self.attention_specs)
 
     def determine_num_blocks(self) -> int:
@@ -95,7 +105,7 @@ class ModelRunner:
         self.kv_caches = [
             self.platform.allocate_kv_cache(
                 self.attn_backend.kv_cache_shape(num_blocks, self.block_size, s.num_kv_heads, s.head_size),
-                self.model_config.dtype,
+                self.kv_cache_dtype,
                 self.device,
             )
             for s in self.attention_specs

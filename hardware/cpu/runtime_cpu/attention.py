@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata, write_kv_cache
+from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata, as_cached, write_kv_cache
 
 
 @dataclass(slots=True)
@@ -60,6 +60,7 @@ class CPUPagedAttentionBackend:
     """Attention backend for the ``cpu`` platform (see module docstring)."""
 
     name = "cpu_paged"
+    supports_fp8_kv_cache = True  # 8-bit caches are read back in the query's dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -97,6 +98,7 @@ class CPUPagedAttentionBackend:
             self.build_metadata(metadata)
         data: CPUAttentionData = metadata.backend_data
         key_cache, value_cache = write_kv_cache(kv_cache, key, value, metadata.slot_mapping)  # [num_slots, kv_heads, head]
+        key, value = as_cached(kv_cache, key, value)  # fresh prompts attend their keys as stored
 
         output = torch.empty_like(query)
         if data.decode_rows.numel():
@@ -216,6 +218,7 @@ def _attend(q, k, v, mask, layer: AttentionLayerSpec, is_causal: bool) -> torch.
     caller already folded the groups into the query length. Soft-capping needs the
     scores, so it takes the explicit path.
     """
+    k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless the cache holds 8-bit floats
     if layer.logits_soft_cap is None:
         enable_gqa = q.shape[-3] != k.shape[-3]
         return F.scaled_dot_product_attention(

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata, write_kv_cache
+from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata, as_cached, write_kv_cache
 
 
 @dataclass(slots=True)
@@ -53,6 +53,7 @@ class SdpaAttentionBackend:
     """Gather-based paged attention (see the module docstring)."""
 
     name = "sdpa"
+    supports_fp8_kv_cache = True  # 8-bit caches are read back in the query's dtype
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -94,6 +95,7 @@ class SdpaAttentionBackend:
             self.build_metadata(metadata)
         data: SdpaStepData = metadata.backend_data
         key_cache, value_cache = write_kv_cache(kv_cache, key, value, metadata.slot_mapping)  # [num_slots, kv_heads, head]
+        key, value = as_cached(kv_cache, key, value)  # fresh prompts attend their keys as stored
         out = torch.empty_like(query)
         if data.decode_rows.numel():
             k = key_cache[data.decode_slots].transpose(1, 2)  # [n, kv_heads, max_len, head]
@@ -153,6 +155,7 @@ def _attend(q, k, v, mask, layer: AttentionLayerSpec) -> torch.Tensor:
 
     ``mask`` (bool, True = visible) or, when None, causal attention.
     """
+    k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless the cache holds 8-bit floats
     if layer.logits_soft_cap is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scale,

@@ -22,6 +22,7 @@ class TritonAttentionBackend:
 
     name = "triton"
     supports_graphs = True  # reads only device tensors and launch-shape sizes fixed per captured batch
+    supports_fp8_kv_cache = True  # the kernels convert on store and load
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)

@@ -136,9 +136,9 @@ def unified_attention_kernel(
         k = tl.load(k_cache_ptr + k_offsets + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v_offsets = block[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
         v = tl.load(v_cache_ptr + v_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        # The query's dtype: float32 under UPCAST; bf16/fp16 from an FP8 cache; else a no-op.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] float32
         if USE_SOFTCAP:

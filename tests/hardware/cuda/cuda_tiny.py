@@ -20,7 +20,7 @@ from hf_reference import (  # noqa: E402
     check_outputs_equal,
     hf_greedy,
 )
-from tiny_models import _config, _perturb  # noqa: E402
+from tiny_models import build_untokenized_model as _build  # noqa: E402
 
 VOCAB_SIZE = 512
 PROMPT_LENS = [5, 17, 33, 9, 41]
@@ -39,15 +39,7 @@ __all__ = [
 
 def build_untokenized_model(arch: str, path, seed: int = 0) -> str:
     """A tiny random float32 ``arch`` checkpoint (config + safetensors only) at ``path``."""
-    from transformers import AutoModelForCausalLM
-
-    config = _config(arch, vocab_size=VOCAB_SIZE)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, 0
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _perturb(model)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)
+    return _build(arch, path, seed, vocab_size=VOCAB_SIZE)
 
 
 def make_prompts(seed: int = 0) -> list[list[int]]:
