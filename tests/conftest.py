@@ -1,9 +1,16 @@
 import os
 
 import pytest
+import torch
 
 # Tests see every installed plugin unless a test narrows it.
 os.environ.pop("RUNTIME_PLUGINS", None)
+
+# Triton decides at import whether its own library functions (tl.zeros, ...) are interpreted,
+# and test modules may import it indirectly (transformers does), so choose before any of them
+# load: the interpreter without a GPU. An explicit value in the environment wins.
+# torch.cuda.device_count() asks NVML and does not start CUDA.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.device_count() > 0 else "1")
 
 
 @pytest.fixture
