@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from cuda_timing import cuda_ms  # noqa: E402
 from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata  # noqa: E402
 
 LINES: list[str] = []
@@ -165,19 +166,6 @@ def run_checks() -> bool:
 
 
 # ------------------------------------------------------------------ timings
-def cuda_time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def time_backends(label: str, requests, kv_bytes: int) -> None:
     from runtime_cuda.sdpa_attention import SdpaAttentionBackend
     from runtime_cuda.triton_attention import TritonAttentionBackend
@@ -186,12 +174,12 @@ def time_backends(label: str, requests, kv_bytes: int) -> None:
     for backend in (TritonAttentionBackend(), SdpaAttentionBackend()):
         metadata, q, k, v, cache = make_step(requests, 16, 8, 128, 16, torch.bfloat16)
         metadata = backend.build_metadata(metadata)  # once per step, shared by all layers: not timed
-        ms = cuda_time_ms(lambda: backend.forward(spec, q, k, v, cache, metadata))
+        ms = cuda_ms(iters=20, fn=lambda: backend.forward(spec, q, k, v, cache, metadata))
         record(label, backend.name, ms, kv_bytes)
     if all(c == 0 for c, _ in requests):  # dense flash attention, no paging, as a yardstick
         n, q_len = len(requests), requests[0][1]
         q, k = torch.randn(n, 16, q_len, 128, device="cuda").bfloat16(), torch.randn(n, 8, q_len, 128, device="cuda").bfloat16()
-        ms = cuda_time_ms(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
+        ms = cuda_ms(iters=20, fn=lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
         record(label, "dense sdpa (no paging)", ms, kv_bytes)
 
 
@@ -207,11 +195,11 @@ def time_sampling() -> None:
     top_k, top_p = torch.full((256,), 50, device="cuda"), torch.full((256,), 0.9, device="cuda")
     for name, fn in (("partial topk", top_k_top_p_filter), ("full sort (sampler)", top_k_top_p_filter_ref)):
         RESULTS["timings"].append({"case": "top-k 50 + top-p 0.9 [256, 151936]", "impl": name,
-                                   "ms": cuda_time_ms(lambda: fn(logits, top_k, top_p)), "kv_read_gb_per_s": None})
+                                   "ms": cuda_ms(iters=20, fn=lambda: fn(logits, top_k, top_p)), "kv_read_gb_per_s": None})
     only_p = torch.full((256,), 0.9, device="cuda")
     for name, fn in (("partial topk", top_k_top_p_filter), ("full sort (sampler)", top_k_top_p_filter_ref)):
         RESULTS["timings"].append({"case": "top-p 0.9 [256, 151936]", "impl": name,
-                                   "ms": cuda_time_ms(lambda: fn(logits, None, only_p)), "kv_read_gb_per_s": None})
+                                   "ms": cuda_ms(iters=20, fn=lambda: fn(logits, None, only_p)), "kv_read_gb_per_s": None})
 
 
 def run_timings() -> None:
