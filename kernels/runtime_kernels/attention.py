@@ -38,9 +38,9 @@ class AttentionTiles:
 def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2) -> AttentionTiles:
     """Small programs for decode-only batches, larger ones when prefill chunks are present.
 
-    Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step: the
-    conversion to the query's dtype, not the memory, bounds it at 64 (H200 sweep in
-    benchmarks/RESULTS.md).
+    Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step: with 64
+    the conversion to the query's dtype, not memory, bounds it, and 128 was faster in the
+    H200 sweep of benchmarks/RESULTS.md.
     """
     head_pad = next_power_of_2(max(head_size, 16))
     rows = 16 if max_query_len * num_queries_per_kv <= 16 else (64 if head_pad <= 128 else 32)

@@ -8,11 +8,14 @@ import os
 import sys
 
 import pytest
-from remote_server import RemoteServer
-from token_id_completions import concurrent_greedy_completions, greedy_completion, streamed_greedy_completion
+from token_id_completions import (
+    concurrent_greedy_completions,
+    greedy_completion,
+    served_tiny_model,
+    streamed_greedy_completion,
+)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hardware", "cuda"))
-from cuda_tiny import build_untokenized_model, make_prompts, reference_outputs  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hardware", "cuda"))  # cuda_tiny
 
 NUM_NEW_TOKENS = 10
 FLAGS = ["--platform", "cpu", "--dtype", "float32", "--skip-tokenizer-init", "--async-scheduling",
@@ -21,13 +24,8 @@ FLAGS = ["--platform", "cpu", "--dtype", "float32", "--skip-tokenizer-init", "--
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("async-served")
-    path = build_untokenized_model("qwen3", folder / "model")
-    prompts = make_prompts()
-    expected = [tokens for tokens, _ in reference_outputs(path, prompts, NUM_NEW_TOKENS)]
-    server = RemoteServer(path, FLAGS, folder / "server.log").wait_ready()
-    yield server, prompts, expected
-    server.stop()
+    with served_tiny_model(tmp_path_factory.mktemp("async-served"), "qwen3", FLAGS, NUM_NEW_TOKENS) as served:
+        yield served
 
 
 def test_concurrent_completions_match_transformers(served):

@@ -6,7 +6,26 @@ helpers send token-id prompts with the official client and read the sampled ids 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+
+@contextmanager
+def served_tiny_model(folder, arch: str, flags: list[str], num_new_tokens: int) -> Iterator[tuple]:
+    """``runtime serve`` over a tiny untokenized ``arch`` model in ``folder``:
+    yields (server, token-id prompts, transformers' greedy tokens for each prompt)."""
+    from cuda_tiny import build_untokenized_model, make_prompts, reference_outputs  # tests/hardware/cuda
+    from remote_server import RemoteServer
+
+    path = build_untokenized_model(arch, folder / "model")
+    prompts = make_prompts()
+    expected = [tokens for tokens, _ in reference_outputs(path, prompts, num_new_tokens)]
+    server = RemoteServer(path, flags, folder / "server.log").wait_ready()
+    try:
+        yield server, prompts, expected
+    finally:
+        server.stop()
 
 
 def token_ids(tokens: list[str]) -> list[int]:

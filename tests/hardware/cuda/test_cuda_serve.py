@@ -12,11 +12,12 @@ import sys
 
 import pytest
 
-from cuda_tiny import build_untokenized_model, make_prompts, reference_outputs
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "entrypoints"))
-from remote_server import RemoteServer  # noqa: E402
-from token_id_completions import concurrent_greedy_completions, streamed_greedy_completion  # noqa: E402
+from token_id_completions import (  # noqa: E402
+    concurrent_greedy_completions,
+    served_tiny_model,
+    streamed_greedy_completion,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -27,13 +28,8 @@ FLAGS = ["--platform", "cuda", "--dtype", "float32", "--skip-tokenizer-init", "-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("served")
-    path = build_untokenized_model("llama", folder / "model")
-    prompts = make_prompts()
-    expected = [tokens for tokens, _ in reference_outputs(path, prompts, NUM_NEW_TOKENS)]
-    server = RemoteServer(path, FLAGS, folder / "server.log").wait_ready()
-    yield server, prompts, expected
-    server.stop()
+    with served_tiny_model(tmp_path_factory.mktemp("served"), "llama", FLAGS, NUM_NEW_TOKENS) as served:
+        yield served
 
 
 def test_concurrent_completions_match_transformers(served):
