@@ -92,8 +92,8 @@ def check(name: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> b
 
 
 def check_attention(label, requests, heads, kv_heads, head, block, dtype, window=None, softcap=None) -> bool:
-    from runtime_cuda.sdpa_attention import SdpaAttentionBackend
-    from runtime_cuda.triton_attention import TritonAttentionBackend
+    from runtime.attention.sdpa import SdpaAttentionBackend
+    from runtime_kernels.attention_backend import TritonAttentionBackend
     from runtime_kernels.attention import unified_attention_ref
 
     spec = AttentionLayerSpec(0, heads, kv_heads, head, head**-0.5, window, softcap)
@@ -167,8 +167,8 @@ def run_checks() -> bool:
 
 # ------------------------------------------------------------------ timings
 def time_backends(label: str, requests, kv_bytes: int) -> None:
-    from runtime_cuda.sdpa_attention import SdpaAttentionBackend
-    from runtime_cuda.triton_attention import TritonAttentionBackend
+    from runtime.attention.sdpa import SdpaAttentionBackend
+    from runtime_kernels.attention_backend import TritonAttentionBackend
 
     spec = AttentionLayerSpec(0, 16, 8, 128, 128**-0.5)
     for backend in (TritonAttentionBackend(), SdpaAttentionBackend()):

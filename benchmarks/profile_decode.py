@@ -48,7 +48,7 @@ class PhaseTimer:
 
 
 def build_engine(args):
-    from runtime.config import EngineArgs
+    from runtime.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
     engine_args = EngineArgs(

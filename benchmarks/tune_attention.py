@@ -65,7 +65,7 @@ def main() -> None:
 
         block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
-        for block_m, tile_n, warps, stages in itertools.product(block_ms, (32, 64, 128), (2, 4, 8), (2, 3)):
+        for block_m, tile_n, warps, stages in itertools.product(block_ms, (32, 64, 128, 256), (2, 4, 8), (2, 3)):
             def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps, stages=stages):
                 base = default_tiles(max_query_len, group, head_size, cache_bytes)
                 rows = block_m or base.block_m

@@ -10,7 +10,18 @@ os.environ.pop("RUNTIME_PLUGINS", None)
 # and test modules may import it indirectly (transformers does), so choose before any of them
 # load: the interpreter without a GPU. An explicit value in the environment wins.
 # torch.cuda.device_count() asks NVML and does not start CUDA.
+# This is the one place that chooses it.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.device_count() > 0 else "1")
+
+
+@pytest.fixture(scope="session")
+def kernel_device() -> str:
+    """Where Triton kernels run: ``cpu`` under the interpreter, ``cuda`` when compiling for a GPU."""
+    if os.environ["TRITON_INTERPRET"] == "1":
+        return "cpu"
+    if not torch.cuda.is_available():
+        pytest.fail("TRITON_INTERPRET=0 needs a CUDA GPU")
+    return "cuda"
 
 
 @pytest.fixture

@@ -6,13 +6,12 @@ import sys
 import pluggy
 import pytest
 
-from runtime import plugins
+from runtime import hookimpl, plugins
 from runtime.cli.main import main as cli_main
 from runtime.platforms import Platform, select_platform
 
-from plugin_dists import make_distribution
-
-hookimpl = pluggy.HookimplMarker("runtime")
+from support.fake_components import FakeBackend
+from support.plugin_dists import make_distribution
 
 
 class FakePlatform(Platform):
@@ -23,6 +22,9 @@ class FakePlatform(Platform):
     def is_available(self):
         return True
 
+    def kv_cache_memory_bytes(self, cache_config, model_memory_bytes):
+        return 1 << 20
+
 
 class FakePlugin:
     @hookimpl
@@ -31,7 +33,7 @@ class FakePlugin:
 
     @hookimpl
     def register_attention_backends(self, register):
-        register("fake_attn", object, platforms=["fake"])
+        register("fake_attn", FakeBackend, platforms=["fake"])
 
 
 @pytest.fixture
@@ -67,7 +69,7 @@ def test_unknown_name_lists_installed_and_providers(monkeypatch):
         manager.registry("attention_backend").get("triton")
     msg = str(err.value)
     assert "unknown attention backend 'triton'; installed: cpu_paged" in msg
-    assert "runtime-plugin-cuda provides 'triton'" in msg
+    assert "runtime-kernels provides 'triton'" in msg
     plugins.reset_plugin_manager(manager)
     try:
         with pytest.raises(ValueError, match="unknown platform 'tpu'; installed: cpu"):
@@ -117,6 +119,7 @@ def test_entry_point_plugin_with_version(tmp_path, monkeypatch):
         "import pluggy\nfrom runtime.platforms import Platform\n"
         "hookimpl = pluggy.HookimplMarker('runtime')\n"
         "class P(Platform):\n    name = 'ep'\n    def is_available(self):\n        return False\n"
+        "    def kv_cache_memory_bytes(self, cache_config, model_memory_bytes):\n        return 0\n"
         "@hookimpl\ndef register_platforms(register):\n    register(P())\n"
     )
     make_distribution(tmp_path, "runtime-plugin-ep", "ep", "ep_plugin_mod", source, version="2.0")
@@ -182,3 +185,12 @@ def test_plugin_management_works_beside_a_broken_plugin(tmp_path, monkeypatch, c
     finally:
         plugins.reset_plugin_manager(None)
         sys.modules.pop("broken2_plugin_mod", None)
+
+
+def test_provider_hint_says_whether_the_package_is_installed(monkeypatch):
+    registry = plugins.PluginManager(["cpu"]).registry("attention_backend")
+    # runtime-kernels is installed by the test set-up but not loaded by this allow-list
+    assert "installed but not loaded: add its plugin to RUNTIME_PLUGINS" in registry.unknown_message("triton")
+    monkeypatch.setattr(plugins, "_is_installed", lambda distribution: False)
+    assert "install it from the runtime source tree with `pip install -e kernels`" in registry.unknown_message("triton")
+

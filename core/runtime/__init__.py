@@ -1,8 +1,9 @@
 """runtime: a plugin-based LLM inference and serving engine."""
 
-from runtime.sampling_params import RequestOutputKind, SamplingParams
+from runtime.hookspecs import hookimpl
+from runtime.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "EngineArgs"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "EngineArgs", "hookimpl"]
 
 
 def __getattr__(name):
@@ -16,7 +17,7 @@ def __getattr__(name):
 
         return getattr(outputs, name)
     if name == "EngineArgs":
-        from runtime.config import EngineArgs
+        from runtime.engine_args import EngineArgs
 
         return EngineArgs
     raise AttributeError(name)

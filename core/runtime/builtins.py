@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("runtime")
+from runtime.hookspecs import hookimpl
 
 # Hugging Face architecture name -> "module:Class" (imported when chosen).
 BUILTIN_MODELS = {
@@ -35,6 +33,31 @@ def register_models(register):
         register(arch, lazy(target))
 
 
+def lazy_factory(target: str):
+    """A factory that imports ``module:attr`` when called and calls it with the factory's arguments."""
+
+    def factory(*args, **kwargs):
+        return lazy(target)()(*args, **kwargs)
+
+    factory.target = target
+    return factory
+
+
 @hookimpl
 def register_executors(register):
-    register("uniproc", lazy("runtime.executor.uniproc:UniProcExecutor"))
+    register("uniproc", lazy_factory("runtime.executor.uniproc:UniProcExecutor"))
+    register("multiproc", lazy_factory("runtime.executor.multiproc:MultiprocExecutor"))
+    # vLLM's names for the same two (--distributed-executor-backend uni / mp)
+    register("uni", lazy_factory("runtime.executor.uniproc:UniProcExecutor"))
+    register("mp", lazy_factory("runtime.executor.multiproc:MultiprocExecutor"))
+
+
+@hookimpl
+def register_attention_backends(register):
+    def sdpa():
+        from runtime.attention.sdpa import SdpaAttentionBackend
+
+        return SdpaAttentionBackend()
+
+    # The reference paged attention in plain torch: no platforms option, so it runs on every platform.
+    register("sdpa", sdpa)

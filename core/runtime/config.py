@@ -1,13 +1,11 @@
-"""Engine configuration: frozen dataclasses with vLLM's names.
+"""Engine configuration: frozen dataclasses with vLLM's names, one per part of the engine.
 
-``EngineArgs`` is the flat set of user-facing arguments (``LLM(**kwargs)`` and the
-CLI flags are both generated from its fields); ``EngineArgs.create_engine_config``
-validates them and builds the frozen per-part configs.
+They are built from the user-facing :class:`runtime.engine_args.EngineArgs` by
+:func:`runtime.engine_args.build_engine_config`; this module imports nothing of the runtime.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +35,10 @@ class ModelConfig:
     gguf_file: str | None = None
     vocab_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    served_model_names: tuple[str, ...] = ()  # every name the API answers to; the first is served_model_name
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for
+    # SamplingParams defaults from the model's generation_config.json (a request's own values win)
+    default_sampling_params: dict = field(default_factory=dict, compare=False)
 
     @property
     def hf_config(self):
@@ -50,8 +52,16 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_offload: str | None = None
-    kv_offload_size: float | None = None
+    # KV offload (runtime.kv_transfer.resolve_kv_offload): the connector, its tiers in chain
+    # order (device -> cpu -> disk), each tier's capacity in bytes, the disk tier's directory
+    # and the cpu tier's eviction policy.
+    kv_connector: str | None = None
+    kv_offload: tuple[str, ...] = ()
+    kv_offload_size: tuple[int, ...] = ()
+    kv_offload_dir: str | None = None
+    kv_offload_policy: str = "lru"
+    # A transfer connector's --kv-transfer-config (runtime.kv_transfer.parse_transfer_config), else None.
+    kv_transfer_config: dict | None = field(default=None, compare=False)
     cache_dtype: str = "auto"  # KV cache storage: "auto" (the model's dtype) or an 8-bit float
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
@@ -66,12 +76,20 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     async_scheduling: bool = False
+    preemption_mode: str = "recompute"  # or "swap": a preempted request's blocks go to the cpu offload tier
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     executor: str = "uniproc"
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas, each with tensor x pipeline workers
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine (one replica)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -99,83 +117,10 @@ class EngineConfig:
     plugin_options: dict = field(default_factory=dict, compare=False)
 
 
-def _arg(default, help: str, choices=None, kind: str | None = None, flag_aliases=()):
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
-    if kind is not None:
-        meta["kind"] = kind  # registry kind whose names are the valid values
-    if flag_aliases:
-        meta["aliases"] = tuple(flag_aliases)
-    return field(default=default, metadata=meta)
-
-
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # 8-bit float KV caches store keys and values as they are (scale 1.0), as vLLM does without scales.
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 SCHEDULING_POLICIES = ("fcfs", "priority")
-
-
-@dataclass
-class EngineArgs:
-    """Every engine argument, with vLLM's names; CLI flags are generated from these."""
-
-    model: str = _arg("", "local Hugging Face folder or .gguf file")
-    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
-    skip_tokenizer_init: bool = _arg(False, "run on token ids only, without a tokenizer")
-    served_model_name: str | None = _arg(None, "model name in the API (default: the model path's name)")
-    dtype: str = _arg("auto", "weight and activation dtype", choices=("auto",) + tuple(_DTYPES))
-    seed: int = _arg(0, "random seed for weights (dummy) and unseeded sampling")
-    max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
-    load_format: str = _arg("auto", "weight format", choices=LOAD_FORMATS)
-    quantization: str | None = _arg(None, "quantization method", kind="quant_method")
-    block_size: int = _arg(16, "tokens per KV cache block")
-    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
-    num_gpu_blocks_override: int | None = _arg(None, "number of KV cache blocks (overrides memory sizing)")
-    kv_cache_memory_bytes: int | None = _arg(None, "bytes of memory for the KV cache")
-    gpu_memory_utilization: float = _arg(0.9, "fraction of device memory the engine may use")
-    kv_cache_dtype: str = _arg(
-        "auto", "KV cache storage dtype: auto (the model's) or fp8 / fp8_e4m3 (8-bit floats, unscaled)",
-        choices=("auto",) + tuple(KV_CACHE_DTYPES),
-    )
-    max_num_seqs: int = _arg(256, "maximum number of running requests")
-    max_num_batched_tokens: int | None = _arg(None, "token budget of one engine step")
-    enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
-    scheduling_policy: str = _arg("fcfs", "order of waiting requests", choices=SCHEDULING_POLICIES)
-    async_scheduling: bool = _arg(
-        False, "schedule each step while the device still runs the previous one (overlaps host work with the GPU)"
-    )
-    tensor_parallel_size: int = _arg(1, "number of tensor-parallel workers")
-    executor: str = _arg("uniproc", "executor", kind="executor", flag_aliases=("--distributed-executor-backend",))
-    platform: str | None = _arg(None, "hardware platform (default: first available)", kind="platform")
-    attention_backend: str | None = _arg(None, "attention backend (default: the platform's)", kind="attention_backend")
-    cpu_num_threads: int | None = _arg(None, "torch threads on the CPU platform")
-    enforce_eager: bool = _arg(False, "always run the model eagerly (no CUDA graphs)")
-    cuda_graph_sizes: list[int] | None = _arg(
-        None, "decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 ... up to max_num_seqs, at most 512)"
-    )
-    speculative_method: str | None = _arg(None, "speculative decoding proposer", kind="proposer")
-    num_speculative_tokens: int = _arg(0, "draft tokens per step")
-    kv_offload: str | None = _arg(None, "KV cache offload tier", kind="kv_tier")
-    kv_offload_size: float | None = _arg(None, "size of the KV offload tier in GiB")
-    guided_backend: str | None = _arg(None, "structured output backend", kind="guided_backend")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
-    @classmethod
-    def from_kwargs(cls, **kwargs) -> "EngineArgs":
-        valid = set(cls.field_names())
-        unknown = sorted(set(kwargs) - valid)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
-        return cls(**kwargs)
-
-    def create_engine_config(self) -> EngineConfig:
-        from runtime.config_builder import build_engine_config
-
-        return build_engine_config(self)
 
 
 def parse_dtype(value: str, config_dtype: torch.dtype | None) -> torch.dtype:

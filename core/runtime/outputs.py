@@ -63,3 +63,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Any = None
+    kv_transfer_params: dict | None = None  # from a KV connector, on the last output (prefill/decode)

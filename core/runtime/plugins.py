@@ -8,6 +8,7 @@ an empty value loads none. A plugin that fails to import is an error naming it.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from dataclasses import dataclass, field
@@ -17,29 +18,46 @@ from typing import Any, Callable
 import pluggy
 
 from runtime import hookspecs
+from runtime.registration import CONTRACTS, contract_error, make_callback, missing_members
 
 ENTRY_POINT_GROUP = "runtime"
 ALLOW_LIST_ENV = "RUNTIME_PLUGINS"
 BUILTIN_PLUGIN_NAME = "runtime (built-in)"
 
-# Which distribution provides a well-known component, to point users at it when
-# the name is not registered in this environment.
-KNOWN_PROVIDERS: dict[str, dict[str, str]] = {
+# Which package of the runtime source tree provides a well-known component, to point
+# users at it when the name is not registered here: (distribution, folder). Only packages
+# that exist are named; feature plugins join as they land.
+KNOWN_PROVIDERS: dict[str, dict[str, tuple[str, str]]] = {
     "platform": {
-        "cpu": "runtime-plugin-cpu",
-        "cuda": "runtime-plugin-cuda",
-        "rocm": "runtime-plugin-rocm",
-        "xpu": "runtime-plugin-xpu",
+        "cpu": ("runtime-plugin-cpu", "hardware/cpu"),
+        "cuda": ("runtime-plugin-cuda", "hardware/cuda"),
+        "rocm": ("runtime-plugin-rocm", "hardware/rocm"),
+        "xpu": ("runtime-plugin-xpu", "hardware/xpu"),
     },
     "attention_backend": {
-        "cpu_paged": "runtime-plugin-cpu",
-        "triton": "runtime-plugin-cuda",
-        "sdpa": "runtime-plugin-cuda",
+        "cpu_paged": ("runtime-plugin-cpu", "hardware/cpu"),
+        "triton": ("runtime-kernels", "kernels"),
     },
-    "proposer": {"ngram": "runtime-plugin-spec-decode", "eagle": "runtime-plugin-spec-decode"},
-    "kv_tier": {"cpu": "runtime-plugin-kv-offload", "disk": "runtime-plugin-kv-offload"},
-    "executor": {"multiproc": "runtime-plugin-multiproc", "ray": "runtime-plugin-ray"},
-    "guided_backend": {"outlines": "runtime-plugin-structured-output"},
+    "guided_backend": {
+        "outlines": ("runtime-plugin-outlines", "plugins/outlines"),
+    },
+    "proposer": {
+        name: ("runtime-plugin-spec-decode", "plugins/spec-decode") for name in ("ngram", "draft_model", "eagle", "eagle3", "medusa")
+    },
+    "quant_method": {
+        name: ("runtime-plugin-quant", "plugins/quant") for name in ("fp8", "int8", "compressed-tensors", "gptq", "awq")
+    },
+    "kv_tier": {
+        "cpu": ("runtime-plugin-kv-offload", "plugins/kv-offload"),
+        "disk": ("runtime-plugin-kv-offload", "plugins/kv-offload"),
+    },
+    "kv_connector": {
+        "OffloadingConnector": ("runtime-plugin-kv-offload", "plugins/kv-offload"),
+        "TcpConnector": ("runtime-plugin-pd", "plugins/pd"),
+    },
+    "executor": {
+        "ray": ("runtime-plugin-ray", "plugins/ray"),
+    },
 }
 
 
@@ -59,7 +77,12 @@ class Component:
 
 
 class Registry:
-    """Named components of one kind, with errors that list the valid names."""
+    """Named components of one kind, with errors that list the valid names.
+
+    Components are checked against the kind's contract (:mod:`runtime.registration`):
+    objects given directly (a platform instance, a class as the factory) when added,
+    objects a factory builds when :meth:`create` builds them.
+    """
 
     def __init__(self, kind: str, distribution_of: Callable[[str], str] | None = None):
         self.kind = kind
@@ -70,6 +93,8 @@ class Registry:
     def add(self, name: str, obj: Any, plugin: str, **options: Any) -> None:
         if not isinstance(name, str) or not name:
             raise PluginError(f"plugin {plugin!r} registered a {self.kind} with invalid name {name!r}")
+        if self.kind == "platform" or (inspect.isclass(obj) and self.kind in CONTRACTS and self.kind != "model"):
+            self._check(obj, self.kind, name, plugin)
         if name in self._components:
             other = self._components[name].plugin
             packages = f"{self._distribution_of(other)} and {self._distribution_of(plugin)}"
@@ -99,14 +124,37 @@ class Registry:
     def get(self, name: str) -> Any:
         return self.component(name).obj
 
+    def create(self, name: str, *args: Any, contract: str | None = None, **kwargs: Any) -> Any:
+        """Build component ``name`` with its factory and check what it built.
+
+        ``contract`` names the contract to check when it is not the kind's own (the two
+        halves of a KV connector).
+        """
+        comp = self.component(name)
+        obj = comp.obj(*args, **kwargs)
+        self._check(obj, contract or self.kind, name, comp.plugin)
+        return obj
+
+    @staticmethod
+    def _check(obj: Any, kind: str, name: str, plugin: str) -> None:
+        if kind not in CONTRACTS:
+            raise ValueError(f"no contract {kind!r} to check {name!r} against; contracts: {', '.join(CONTRACTS)}")
+        missing = missing_members(obj, CONTRACTS[kind])
+        if missing:
+            raise PluginError(contract_error(plugin, kind, name, obj, missing))
+
     def unknown_message(self, name: str) -> str:
         label = self.kind.replace("_", " ")
         installed = ", ".join(sorted(self._components)) or "none"
         msg = f"unknown {label} {name!r}; installed: {installed}"
         hints = KNOWN_PROVIDERS.get(self.kind, {})
-        missing = [f"{pkg} provides {n!r}" for n, pkg in sorted(hints.items()) if n not in self._components]
+        missing = [f"{dist} provides {n!r}" for n, (dist, _) in sorted(hints.items()) if n not in self._components]
         if name in hints:
-            msg += f" ({hints[name]} provides {name!r}; install it with `pip install {hints[name]}`)"
+            dist, folder = hints[name]
+            if _is_installed(dist):  # installed, but its plugin was left out of the allow-list
+                msg += f" ({dist} provides {name!r}; it is installed but not loaded: add its plugin to {ALLOW_LIST_ENV} / --plugins)"
+            else:
+                msg += f" ({dist} provides {name!r}; install it from the runtime source tree with `pip install -e {folder}`)"
         elif missing:
             msg += " (" + "; ".join(missing) + ")"
         return msg
@@ -117,6 +165,7 @@ REGISTRY_KINDS = {
     "register_attention_backends": "attention_backend",
     "register_quant_methods": "quant_method",
     "register_proposers": "proposer",
+    "register_kv_connectors": "kv_connector",
     "register_kv_tiers": "kv_tier",
     "register_executors": "executor",
     "register_models": "model",
@@ -192,6 +241,13 @@ class PluginManager:
         self.pm.register(plugin, name=name)
         info = PluginInfo(name=name, version=version, distribution=distribution)
         self.infos[name] = info
+        try:
+            self._collect_registrations(name, info)
+        except BaseException:
+            self.unregister(name)  # nothing of a refused plugin stays registered
+            raise
+
+    def _collect_registrations(self, name: str, info: PluginInfo) -> None:
         for hook_name, kind in REGISTRY_KINDS.items():
             registry = self.registries[kind]
             hook = getattr(self.pm.hook, hook_name)
@@ -199,16 +255,12 @@ class PluginManager:
                 if impl.plugin_name != name:
                     continue
 
-                def register(obj_or_name, obj=None, /, _registry=registry, **options):
-                    if _registry.kind == "platform":
-                        comp_name, obj = obj_or_name.name, obj_or_name
-                    else:
-                        comp_name = obj_or_name
+                def add(comp_name, obj, _registry=registry, **options):
                     _registry.add(comp_name, obj, name, **options)
                     info.registered.setdefault(_registry.kind, []).append(comp_name)
 
                 try:
-                    impl.function(register=register)
+                    impl.function(register=make_callback(kind, add))
                 except PluginError:
                     raise
                 except Exception as exc:
@@ -227,6 +279,14 @@ class PluginManager:
     @property
     def hook(self):
         return self.pm.hook
+
+
+def _is_installed(distribution: str) -> bool:
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _own_version() -> str:
@@ -266,49 +326,3 @@ def reset_plugin_manager(manager: PluginManager | None = None) -> None:
 def get_registry(kind: str) -> Registry:
     return get_plugin_manager().registry(kind)
 
-
-Factory = Callable[..., Any]
-
-
-def find_installed(targets) -> str | None:
-    """The first ``"module:attr"`` whose module can be imported, found without importing it."""
-    from importlib.util import find_spec
-
-    for target in targets:
-        try:
-            if find_spec(target.partition(":")[0]) is not None:
-                return target
-        except ModuleNotFoundError:  # its parent package is not installed
-            continue
-    return None
-
-
-def lazy_instance(target: str) -> Factory:
-    """A factory that imports ``module:Class`` and instantiates it when called."""
-
-    def factory():
-        import importlib
-
-        module, _, cls = target.partition(":")
-        return getattr(importlib.import_module(module), cls)()
-
-    factory.target = target
-    return factory
-
-
-def register_shared(register, name: str, targets, platforms) -> str | None:
-    """Register a component another package implements, if installed and not yet registered.
-
-    Several plugins may offer the same shared implementation (the GPU plugins share the
-    Triton attention backend): the first to load registers it for all their platforms,
-    and the others find the name taken and rely on that registration. Returns the
-    target registered, or None.
-    """
-    target = find_installed(targets)
-    if target is None:
-        return None
-    try:
-        register(name, lazy_instance(target), platforms=list(platforms))
-    except PluginError:
-        return None  # an earlier plugin registered it already
-    return target

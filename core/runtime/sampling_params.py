@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json as _json
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -15,6 +16,70 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's ``StructuredOutputsParams``); set exactly one field.
+
+    ``json``: a JSON schema (dict or its JSON text); ``regex``: a regular expression the whole
+    output matches; ``choice``: the output is one of these strings; ``grammar``: an EBNF/Lark
+    grammar (where the guided backend supports it); ``json_object``: any JSON object.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                f"got {', '.join(given) if given else 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which field is set: one of :data:`STRUCTURED_OUTPUT_KINDS`."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    def spec(self) -> str:
+        """The set field as the string a guided backend compiles (schemas and choices as canonical JSON,
+        so equal specs share one compiled grammar)."""
+        kind = self.kind
+        if kind == "json":
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "choice":
+            return _json.dumps(self.choice)
+        if kind == "json_object":
+            return ""
+        return getattr(self, kind)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample the completion of one prompt.
@@ -22,6 +87,8 @@ class SamplingParams:
     ``temperature=0`` means greedy. ``top_k`` of 0 or -1 disables top-k.
     ``logprobs=N`` returns the sampled token's logprob and the top N;
     ``prompt_logprobs=N`` the same for each prompt token after the first.
+    ``cache_salt`` isolates a tenant's prefix cache: a request reuses only blocks cached
+    by requests with the same salt (or, without one, by requests without one).
     """
 
     n: int = 1
@@ -46,6 +113,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Prefix-cache isolation: only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
+    # Constrained output (JSON schema, regex, choice, grammar); needs a guided decoding backend.
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's free-form per-request arguments for plugins, e.g. {"kv_transfer_params": {...}} for a KV connector.
+    extra_args: dict | None = None
     # Filled by the engine, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set)
 
@@ -66,6 +139,15 @@ class SamplingParams:
             # Greedy: the other sampling knobs have no effect.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_OUTPUT_KINDS))
+            if unknown:
+                raise ValueError(
+                    f"structured_outputs has unknown field(s) {', '.join(unknown)}; valid: {', '.join(STRUCTURED_OUTPUT_KINDS)}"
+                )
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or a dict, got {self.structured_outputs!r}")
 
     def _verify(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -102,6 +184,8 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", "None or a non-empty string")
 
     @property
     def is_greedy(self) -> bool:

@@ -38,16 +38,16 @@ class AttentionTiles:
 def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2) -> AttentionTiles:
     """Small programs for decode-only batches, larger ones when prefill chunks are present.
 
-    Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step: with 64
-    the conversion to the query's dtype, not memory, bounds it, and 128 was faster in the
-    H200 sweep of benchmarks/RESULTS.md.
+    Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step with two
+    warps and three stages: the fastest in the H200 sweep of benchmarks/RESULTS.md, where
+    the conversion to float16, not memory, still bounds it.
     """
     head_pad = next_power_of_2(max(head_size, 16))
     rows = 16 if max_query_len * num_queries_per_kv <= 16 else (64 if head_pad <= 128 else 32)
     block_m = max(rows, next_power_of_2(num_queries_per_kv))
     tile_n = 64 if head_pad <= 128 else 32
     if cache_bytes == 1 and max_query_len == 1:
-        tile_n *= 2
+        return AttentionTiles(block_m, block_m // num_queries_per_kv, 2 * tile_n, num_warps=2, num_stages=3)
     return AttentionTiles(block_m, block_m // num_queries_per_kv, tile_n, num_warps=4, num_stages=2)
 
 
@@ -113,6 +113,7 @@ def unified_attention(
         num_segments = num_kv_segments(max_query_len, max_seq_len, num_reqs, num_kv_heads, tiles.tile_n, query.device)
     if num_segments != next_power_of_2(num_segments):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
+    f16_dots = key_cache.element_size() == 1 and query.dtype in (torch.bfloat16, torch.float16)
     partial = out  # unused without split-KV
     if num_segments > 1:
         partial = torch.empty(num_tokens, num_heads, num_segments, head_pad + 2, dtype=torch.float32, device=out.device)
@@ -135,7 +136,8 @@ def unified_attention(
         USE_SOFTCAP=softcap is not None,
         # float32 models get full-precision dots; TF32 would cost ~3 decimal digits.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        UPCAST=query.dtype == torch.bfloat16 and interpreting(),
+        UPCAST=query.dtype == torch.bfloat16 and interpreting() and not f16_dots,
+        F16_DOTS=f16_dots,
         NUM_SEGMENTS=num_segments,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

@@ -1,15 +1,6 @@
-"""CLI and selection tests: the GPU plugins are pure Python, imported from the source tree when not installed."""
-
-import importlib.util
-import pathlib
-import sys
+"""CLI and selection tests (the README's test set-up installs every hardware plugin)."""
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-for module, folder in (("runtime_rocm", "hardware/rocm"), ("runtime_xpu", "hardware/xpu")):
-    if importlib.util.find_spec(module) is None:
-        sys.path.insert(0, str(ROOT / folder))
 
 
 @pytest.fixture

@@ -14,12 +14,10 @@ from runtime.platforms import Platform, select_platform
 
 import runtime_rocm
 import runtime_xpu
-from runtime_rocm import triton_backend as rocm_triton
-from runtime_xpu import triton_backend as xpu_triton
 
-from plugin_dists import make_distribution
+from support.plugin_dists import make_distribution
 
-hookimpl = pluggy.HookimplMarker("runtime")
+from runtime import hookimpl
 BUILTIN = plugins.BUILTIN_PLUGIN_NAME
 
 
@@ -33,6 +31,9 @@ class FakeCudaPlatform(Platform):
 
     def is_available(self):
         return self.available
+
+    def kv_cache_memory_bytes(self, cache_config, model_memory_bytes):
+        return 1 << 20
 
 
 class FakeCudaPlugin:
@@ -49,7 +50,8 @@ def devices(monkeypatch):
         monkeypatch.setattr(FakeCudaPlatform, "available", "cuda" in names)
         monkeypatch.setattr(torch.version, "hip", "6.2-simulated" if "rocm" in names else None)
         monkeypatch.setattr(torch.cuda, "_device_count_amdsmi", lambda: 1 if "rocm" in names else 0)
-        monkeypatch.setattr(torch.xpu, "is_available", lambda: "xpu" in names)
+        monkeypatch.setattr(torch.xpu, "is_initialized", lambda: False)
+        monkeypatch.setattr(torch.xpu, "device_count", lambda: 1 if "xpu" in names else 0)
 
     simulate()
     return simulate
@@ -90,6 +92,7 @@ def test_same_name_from_two_distributions_names_both_packages(tmp_path, monkeypa
     source = (
         "import pluggy\nfrom runtime.platforms import Platform\n"
         "class P(Platform):\n    name = 'gpu0'\n    def is_available(self):\n        return False\n"
+        "    def kv_cache_memory_bytes(self, cache_config, model_memory_bytes):\n        return 0\n"
         "@pluggy.HookimplMarker('runtime')\ndef register_platforms(register):\n    register(P())\n"
     )
     make_distribution(tmp_path, "runtime-plugin-vendor-a", "vendor-a", "vendor_a_plugin_mod", source)
@@ -120,32 +123,24 @@ def test_a_plugin_reusing_the_rocm_name_is_an_error(gpu_manager):
         gpu_manager.register(MyRocm(), "my-rocm", "1.0", "runtime-plugin-my-rocm")
 
 
-@pytest.fixture
-def fake_triton(tmp_path, monkeypatch):
-    package = tmp_path / "fake_triton_kernels_shared"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "attention.py").write_text("class TritonAttentionBackend:\n    name = 'triton'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    targets = ("fake_triton_kernels_shared.attention:TritonAttentionBackend",)
-    monkeypatch.setattr(rocm_triton, "BACKEND_TARGETS", targets)
-    monkeypatch.setattr(xpu_triton, "BACKEND_TARGETS", targets)
-    yield
-    sys.modules.pop("fake_triton_kernels_shared", None)
-    sys.modules.pop("fake_triton_kernels_shared.attention", None)
-
-
-def test_rocm_and_xpu_share_one_triton_backend(fake_triton, gpu_manager, devices):
-    component = gpu_manager.registry("attention_backend").component("triton")
-    assert component.plugin == "rocm"  # loaded first; xpu found the name taken
-    assert gpu_manager.infos["xpu"].registered == {"platform": ["xpu"]}
-    devices("xpu")
-    backend = select_attention_backend(None, select_platform(), torch.float16, head_size=64)
-    assert type(backend).__name__ == "TritonAttentionBackend"
-    # only xpu installed: xpu registers it
-    alone = plugins.PluginManager(["cpu"])
-    alone.register(runtime_xpu, "xpu", "0.1.0", "runtime-plugin-xpu")
-    assert alone.registry("attention_backend").component("triton").plugin == "xpu"
+def test_triton_is_registered_once_for_every_gpu_platform(devices):
+    """runtime-kernels registers it; runtime-plugin-cuda, -rocm and -xpu register only their platforms."""
+    manager = plugins.PluginManager(["cpu", "cuda", "kernels", "rocm", "xpu"])  # all from their entry points
+    owners = [(name, info.registered.get("attention_backend", [])) for name, info in manager.infos.items()]
+    assert [(name, names) for name, names in owners if "triton" in names] == [("kernels", ["triton"])]
+    for gpu in ("cuda", "rocm", "xpu"):
+        assert manager.infos[gpu].registered == {"platform": [gpu]}
+    component = manager.registry("attention_backend").component("triton")
+    assert component.options["platforms"] == ["cuda", "rocm", "xpu"]
+    saved = plugins._manager
+    plugins.reset_plugin_manager(manager)
+    try:
+        for gpu in ("rocm", "xpu"):  # simulated devices; each platform's default backend is that one triton
+            devices(gpu)
+            backend = select_attention_backend(None, select_platform(), torch.float16, head_size=64)
+            assert type(backend).__module__ == "runtime_kernels.attention_backend" and backend.name == "triton"
+    finally:
+        plugins.reset_plugin_manager(saved)
 
 
 def _listed_plugins(capsys) -> set[str]:
@@ -169,19 +164,3 @@ def test_serve_plugins_flag_loads_only_those(unloaded_manager):
     manager = plugins.get_plugin_manager()
     assert set(manager.infos) == {BUILTIN, "cpu"}
     assert manager.registry("platform").names() == ["cpu"]
-
-
-def test_triton_registered_by_an_earlier_plugin_is_reused(fake_triton):
-    """runtime-plugin-cuda loads first (entry points sort by name) and owns 'triton'."""
-
-    class CudaWithTriton(FakeCudaPlugin):
-        @hookimpl
-        def register_attention_backends(self, register):
-            register("triton", object, platforms=["cuda", "rocm", "xpu"])
-
-    manager = plugins.PluginManager(["cpu"])
-    manager.register(CudaWithTriton(), "cuda", "0.0", "runtime-plugin-cuda-fake")
-    manager.register(runtime_rocm, "rocm", "0.1.0", "runtime-plugin-rocm")  # no conflict error
-    manager.register(runtime_xpu, "xpu", "0.1.0", "runtime-plugin-xpu")
-    assert manager.registry("attention_backend").component("triton").plugin == "cuda"
-    assert manager.infos["rocm"].registered == {"platform": ["rocm"]}

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from runtime import LLM, SamplingParams
-from runtime.config import EngineArgs
+from runtime.engine_args import EngineArgs
 from runtime.engine.llm_engine import LLMEngine
 
-from tiny_models import build_tiny_model
+from runtime.testing.models import build_tiny_model
 
 PROMPTS = [[101, 2045, 7, 880, 42], [9001, 15, 15, 300], [77, 78, 79, 80, 81, 82, 83], [5000, 12]]
 

@@ -6,7 +6,7 @@ import pytest
 
 from runtime import LLM, SamplingParams
 
-from tiny_models import build_tiny_model
+from runtime.testing.models import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_unknown_architecture(tmp_path):
         (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\]"),
         (dict(attention_backend="flashinfer"), "unknown attention backend 'flashinfer'; installed: .*cpu_paged"),
         (dict(platform="tpu"), "unknown platform 'tpu'; installed: .*cpu"),
-        (dict(executor="ray"), "unknown executor 'ray'; installed: uniproc"),
+        (dict(executor="mpi"), "unknown executor 'mpi'; installed: mp, multiproc, ray, uni, uniproc$"),
         (dict(scheduling_policy="lifo"), "scheduling_policy 'lifo' is not valid; choose one of: fcfs, priority"),
         (dict(max_num_seqz=3), "unknown engine argument.*max_num_seqz"),
         (dict(num_gpu_blocks_override=2, block_size=4, max_model_len=64), "fewer than max_model_len"),

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 
 import pytest
-import transformers
 from transformers import AutoTokenizer
 
 from runtime.engine.detokenizer import (
@@ -23,7 +21,8 @@ from runtime.engine.detokenizer import (
 )
 from runtime.sampling_params import SamplingParams
 
-from tiny_models import smollm2_tokenizer
+from runtime.testing.models import smollm2_tokenizer
+from support.gguf_tokenizer_cache import cached_gguf_tokenizer
 
 NATURAL_TEXTS = [
     "Hello world, this is a test of the incremental detokenizer.",
@@ -37,22 +36,12 @@ NATURAL_TEXTS = [
 def _gguf_tokenizer(pytestconfig, name: str, gguf_path: str):
     """The tokenizer of a GGUF file; converting it is slow (~40 s for Gemma's 262k
     vocabulary), so the result is saved in pytest's cache and loaded from there next time."""
-    cache = getattr(pytestconfig, "cache", None)
-    folder = None
-    if cache is not None:
-        version = f"{name}-{os.path.getsize(gguf_path)}-transformers{transformers.__version__}"
-        folder = cache.mkdir("gguf_tokenizers") / version
-        if (folder / "tokenizer.json").exists():
-            return AutoTokenizer.from_pretrained(str(folder))
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    if folder is not None:
-        partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-        tokenizer.save_pretrained(str(partial))
-        try:
-            os.rename(partial, folder)  # whole or not at all, if two processes race
-        except OSError:
-            shutil.rmtree(partial, ignore_errors=True)
-    return tokenizer
+    def load(path: str):
+        if path.endswith(".gguf"):
+            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return AutoTokenizer.from_pretrained(path)
+
+    return cached_gguf_tokenizer(pytestconfig, name, gguf_path, load)
 
 
 @pytest.fixture(scope="module")

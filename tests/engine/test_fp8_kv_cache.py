@@ -14,10 +14,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from runtime import LLM, SamplingParams
-
-from hf_reference import check_logprobs_close, check_outputs_equal, hf_greedy
-from test_parity import make_prompts
-from tiny_models import build_untokenized_model
+from runtime.testing.models import build_untokenized_model
+from runtime.testing.reference import check_logprobs_close, check_outputs_equal, hf_greedy, make_prompts
 
 ARCHS = ["llama", "qwen3", "gemma3"]
 NUM_NEW_TOKENS = 24
@@ -37,7 +35,7 @@ AttentionMaskInterface.register("runtime_test_fp8_kv", sdpa_mask)  # SDPA's mask
 def reference(request, tmp_path_factory):
     path = build_untokenized_model(request.param, tmp_path_factory.mktemp(f"fp8-{request.param}"))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="runtime_test_fp8_kv").eval()
-    prompts = make_prompts(hf.config.vocab_size)
+    prompts = make_prompts()
     return request.param, path, prompts, hf_greedy(hf, prompts, NUM_NEW_TOKENS)
 
 

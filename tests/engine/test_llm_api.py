@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from runtime import LLM, SamplingParams
 
-from tiny_models import build_tiny_model
+from runtime.testing.models import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.parent_request import ParentRequest, fan_out
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import RequestOutputKind, SamplingParams
 
-from tiny_models import smollm2_tokenizer
+from runtime.testing.models import smollm2_tokenizer
 
 TEXT = "Hello world, how are you today? Fine, thanks."
 
@@ -125,7 +125,8 @@ def test_logprobs_conversion(tokenizer, ids):
         for k, (token_id, lp) in enumerate(zip(lists.token_ids[row][1:], lists.logprobs[row][1:]), start=1):
             expected.setdefault(token_id, (lp, k))
         assert list(entry) == list(expected)
-        assert {t: (v.logprob, v.rank) for t, v in entry.items()} == pytest.approx(expected)
+        assert {t: v.rank for t, v in entry.items()} == {t: rank for t, (_, rank) in expected.items()}
+        assert {t: v.logprob for t, v in entry.items()} == pytest.approx({t: lp for t, (lp, _) in expected.items()})
         assert all(v.decoded_token == tokenizer.decode([t]) for t, v in entry.items())
     assert len(logprobs[0]) == 2  # the chosen token was also the top-1: one entry
     assert second.outputs[0].cumulative_logprob == pytest.approx(math.fsum(r[0] for r in lists.logprobs))

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from runtime import LLM, SamplingParams
 
-from hf_reference import check_outputs_equal, hf_greedy
+from runtime.testing.reference import check_outputs_equal, hf_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little"]
 NUM_NEW_TOKENS = 24

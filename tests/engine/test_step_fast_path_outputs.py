@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.parent_request import ParentRequest, fan_out
 from runtime.engine.request_state import RequestState
@@ -125,7 +125,7 @@ def tiny_llama(path) -> str:
 
 
 def generate(model: str, kind: RequestOutputKind, fast_decode: bool, prompts: list[list[int]]):
-    from runtime.config import EngineArgs
+    from runtime.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
     args = EngineArgs(

@@ -10,7 +10,7 @@ import zmq
 
 from runtime.engine import core_proc
 from runtime.engine.core_client import _outputs_decoder
-from runtime.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from runtime.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from runtime.entrypoints.openai.errors import from_exception, param_of
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.metrics import EngineMetrics
@@ -48,7 +48,7 @@ def test_chat_request_to_sampling_params():
 @pytest.mark.parametrize(
     "request_kwargs, message",
     [
-        (dict(prompt="hi", logprobs=21), "logprobs must be an integer in [0, 20], got 21"),
+        (dict(prompt="hi", logprobs=-1), "logprobs must be an integer >= 0, got -1"),
         (dict(prompt="hi", logit_bias={"a": 1.0}), "logit_bias keys must be token ids"),
         (dict(prompt="hi", logit_bias={"5": 200.0}), r"logit_bias values must be in [-100, 100]"),
         (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0, got -1.0"),
@@ -129,34 +129,51 @@ class FakeCore:
         return EngineCoreOutputs(outputs=[out], scheduler_stats={"num_running": len(self.pending)})
 
 
-def test_engine_core_proc_wire_protocol():
+def _send(sock, kind: bytes, client: int, payload) -> None:
+    sock.send_multipart([kind, bytes([client]), payload if isinstance(payload, bytes) else core_proc.encode(payload)])
+
+
+def test_engine_core_proc_wire_protocol_routes_each_client_its_own():
+    """Two API clients: each gets the outputs and failures of the requests it added; client 0 the stats."""
     ctx = zmq.Context()
-    to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_engine.bind("inproc://in"), engine_in.connect("inproc://in")
-    from_engine.bind("inproc://out"), engine_out.connect("inproc://out")
+    engine_in = ctx.socket(zmq.PULL)
+    senders, engine_outs, receivers = [], [], []
+    for i in range(2):
+        sender, engine_out, receiver = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        sender.bind(f"inproc://in{i}"), engine_in.connect(f"inproc://in{i}")
+        receiver.bind(f"inproc://out{i}"), engine_out.connect(f"inproc://out{i}")
+        senders.append(sender), engine_outs.append(engine_out), receivers.append(receiver)
     core = FakeCore()
-    proc = core_proc.EngineCoreProc(core, engine_in, engine_out, parent_pid=__import__("os").getppid())
+    proc = core_proc.EngineCoreProc(core, engine_in, engine_outs, parent_pid=__import__("os").getppid())
     thread = threading.Thread(target=proc.run)
     thread.start()
     params = SamplingParams(min_tokens=2, stop_token_ids=[7])
-    to_engine.send_multipart([core_proc.ADD, core_proc.encode(EngineCoreRequest("r1", [5, 9], params, eos_token_id=3))])
-    to_engine.send_multipart([core_proc.ADD, core_proc.encode(EngineCoreRequest("bad", [666], SamplingParams()))])
-    received = {}
-    while "r1" not in received or "bad" not in received:
-        kind, payload = from_engine.recv_multipart()
-        if kind == core_proc.OUTPUTS:
-            for out in _outputs_decoder.decode(payload).outputs:
-                received[out.request_id] = out
-        elif kind == core_proc.FAILED:
-            received["bad"] = msgspec.msgpack.decode(payload)
-    assert received["r1"].new_token_ids == [9] and received["r1"].finish_reason == FinishReason.LENGTH
-    assert received["bad"] == ["bad", "prompt token id 666 is out of range"]
-    to_engine.send_multipart([core_proc.ABORT, core_proc.encode(["x"])])
-    to_engine.send_multipart([core_proc.SHUTDOWN, b""])
+    _send(senders[0], core_proc.ADD, 0, EngineCoreRequest("r1", [5, 9], params, eos_token_id=3))
+    _send(senders[0], core_proc.ADD, 0, EngineCoreRequest("bad", [666], SamplingParams()))
+    _send(senders[1], core_proc.ADD, 1, EngineCoreRequest("r2", [4, 8], SamplingParams()))
+    received: list[dict] = [{}, {}]
+    num_stats = [0, 0]
+    while set(received[0]) | set(received[1]) != {"r1", "bad", "r2"}:
+        for client, receiver in enumerate(receivers):
+            if not receiver.poll(10):
+                continue
+            kind, payload = receiver.recv_multipart()
+            if kind == core_proc.OUTPUTS:
+                outputs = _outputs_decoder.decode(payload)
+                num_stats[client] += outputs.scheduler_stats is not None
+                received[client].update((out.request_id, out) for out in outputs.outputs)
+            elif kind == core_proc.FAILED:
+                received[client]["bad"] = msgspec.msgpack.decode(payload)
+    assert set(received[0]) == {"r1", "bad"} and set(received[1]) == {"r2"}
+    assert received[0]["r1"].new_token_ids == [9] and received[0]["r1"].finish_reason == FinishReason.LENGTH
+    assert received[1]["r2"].new_token_ids == [8]
+    assert received[0]["bad"] == ["bad", "prompt token id 666 is out of range"]
+    assert num_stats[0] >= 1 and num_stats[1] == 0
+    _send(senders[1], core_proc.ABORT, 1, ["x"])
+    _send(senders[0], core_proc.SHUTDOWN, 0, b"")
     thread.join(10)
-    assert not thread.is_alive() and core.aborted == ["x"]
-    for sock in (to_engine, engine_in, engine_out, from_engine):
+    assert not thread.is_alive() and core.aborted == ["x"] and proc._owner == {}
+    for sock in (engine_in, *senders, *engine_outs, *receivers):
         sock.close(linger=0)
     ctx.term()
 
@@ -168,3 +185,11 @@ def test_stop_token_ids_survive_the_wire():
     request = EngineCoreRequest("r", [1], params, eos_token_id=3)
     decoded = msgspec.msgpack.decode(core_proc.encode(request), type=EngineCoreRequest)
     assert decoded.sampling_params.all_stop_token_ids == {7, 2, 3}
+
+
+def test_logprobs_above_openais_20_reach_the_max_logprobs_check():
+    """Only the sign is checked here: --max-logprobs (default 20) bounds the count, so a server
+    started with a higher limit accepts more."""
+    from runtime.entrypoints.openai.protocol import CompletionRequest
+
+    assert CompletionRequest(model="m", prompt="hi", logprobs=25).to_sampling_params().logprobs == 25

@@ -1,4 +1,10 @@
-"""The OpenAI server (a real subprocess, the official client) against transformers and against itself."""
+"""The OpenAI server (a real subprocess, the official client) against transformers and against itself.
+
+Every test runs against one API process and against two (``--api-server-count 2``, the
+processes sharing the port and one engine core, /metrics summed over both); the two-process
+server also streams with ``--stream-interval 3``, so every streaming test checks coalesced
+chunks too.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from remote_server import SERVER_FLAGS, RemoteServer
+from support.remote_server import SERVER_FLAGS, RemoteServer, wait_for
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -17,11 +23,18 @@ MAX_TOKENS = 8
 GREEDY = dict(temperature=0.0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
+# (api server processes, stream interval)
+FRONT_ENDS = {"api1": (1, 1), "api2": (2, 3)}
+
+
+@pytest.fixture(scope="module", params=list(FRONT_ENDS))
+def server(request, tiny_llama, tmp_path_factory):
+    num_api_servers, stream_interval = FRONT_ENDS[request.param]
     log = tmp_path_factory.mktemp("server") / "server.log"
-    flags = SERVER_FLAGS + ["--served-model-name", MODEL, "--max-body-bytes", "100000"]
+    flags = SERVER_FLAGS + ["--served-model-name", MODEL, "--max-body-bytes", "100000",
+                            "--api-server-count", str(num_api_servers), "--stream-interval", str(stream_interval)]
     srv = RemoteServer(tiny_llama, flags, log, api_key=API_KEY).wait_ready()
+    srv.stream_interval = stream_interval
     yield srv
     assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log(), srv.log()
@@ -134,6 +147,24 @@ def test_chat_stream_equals_unary(client):
     assert all(c.usage is None for c in client.chat.completions.create(**kwargs, stream=True))
 
 
+def test_stream_interval_same_text_fewer_chunks(server, client):
+    """A chunk once --stream-interval new tokens are in (the first at once); a reader that falls behind
+    gets what queued up as one chunk, so there may be fewer still, never more, and never other text."""
+    num_tokens, interval = 13, server.stream_interval
+    kwargs = dict(max_tokens=num_tokens, stream_options={"include_usage": True})
+    unary = complete(client, "Count with me:", max_tokens=num_tokens)
+    chunks = list(complete(client, "Count with me:", stream=True, **kwargs))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == unary.choices[0].text
+    assert chunks[-1].usage.completion_tokens == num_tokens
+    assert 1 < len(text_chunks) <= 1 + -(-(num_tokens - 1) // interval)
+    ids = [list(c.choices[0].model_extra["token_ids"]) for c in complete(
+        client, "Count with me:", stream=True, extra_body={"ignore_eos": True, "return_token_ids": True},
+        max_tokens=num_tokens) if c.choices]
+    assert sum(len(i) for i in ids) == num_tokens and all(ids)
+    assert len(ids[0]) == 1 and all(len(i) >= interval for i in ids[1:-1])  # the first token at once
+
+
 # ------------------------------------------------------------ n, seed, stop
 def test_n_and_seed(client):
     sample = dict(temperature=1.0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
@@ -221,17 +252,6 @@ def test_64_concurrent_streams_equal_solo_runs(server, client):
     assert server.metric("runtime:num_requests_running") == 0
 
 
-def wait_for(predicate, timeout_s: float = 15.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_client_disconnect_aborts(server):
     before = server.metric("runtime:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 240, "ignore_eos": True, "stream": True}
@@ -268,7 +288,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "stream": True, "temperature": -1}, 400, "temperature"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
 ]
 

@@ -4,18 +4,14 @@ carry transformers' greedy tokens (token-ids-only mode)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-from token_id_completions import (
+
+from support.token_id_completions import (
     concurrent_greedy_completions,
     greedy_completion,
     served_tiny_model,
     streamed_greedy_completion,
 )
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "hardware", "cuda"))  # cuda_tiny
 
 NUM_NEW_TOKENS = 10
 FLAGS = ["--platform", "cpu", "--dtype", "float32", "--skip-tokenizer-init", "--async-scheduling",

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from remote_server import SERVER_FLAGS, RemoteServer
+from support.remote_server import SERVER_FLAGS, RemoteServer, wait_for
 
 ORIGIN = "http://allowed.example"
 LONG = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
@@ -25,15 +25,6 @@ def server(tiny_llama, tmp_path_factory):
     yield srv
     srv.stop()
     assert "Traceback" not in srv.log(), srv.log()
-
-
-def wait_for(predicate, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_cors(server):

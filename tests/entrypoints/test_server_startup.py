@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from remote_server import SERVER_FLAGS, free_port
+from support.remote_server import SERVER_FLAGS, free_port
 
 TIMEOUT_S = 240
 

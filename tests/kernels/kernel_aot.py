@@ -21,21 +21,24 @@ def compile_for_sm90(fn, signature: dict, constants: dict, num_warps: int = 4) -
     assert kernel.asm["cubin"]
 
 
-def attention_signature(dtype: str) -> dict:
-    sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{dtype}", "v_cache_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+def attention_signature(dtype: str, cache: str | None = None) -> dict:
+    cache = cache or dtype
+    sig = {"q_ptr": f"*{dtype}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "out_ptr": f"*{dtype}",
            "partial_ptr": "*fp32", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
            "scale": "fp32", "softcap": "fp32", "window": "i32", "num_reqs": "i32"}
     strides = ["q_tok", "q_head", "o_tok", "o_head", "k_block", "k_slot", "k_head", "v_block", "v_slot", "v_head", "table"]
     return sig | {f"stride_{s}": "i32" for s in strides}
 
 
-def compile_attention(dtype, head, group, block_m, window, softcap, segments):
+def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None):
     from runtime_kernels.jit import attention as jit
 
+    f16_dots = cache == "fp8e4nv"
     constants = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_Q=block_m // group,
-                     BLOCK_M=block_m, TILE_N=64, USE_WINDOW=window, USE_SOFTCAP=softcap,
-                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, NUM_SEGMENTS=segments)
-    compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype), constants)
+                     BLOCK_M=block_m, TILE_N=128 if f16_dots else 64, USE_WINDOW=window, USE_SOFTCAP=softcap,
+                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, F16_DOTS=f16_dots,
+                     NUM_SEGMENTS=segments)
+    compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype, cache), constants)
     if segments > 1:
         sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_o_tok": "i32", "stride_o_head": "i32"}
         compile_for_sm90(jit.merge_segments_kernel, sig, dict(HEAD_SIZE=head, HEAD_PAD=head, NUM_SEGMENTS=segments))
@@ -63,5 +66,6 @@ def compile_elementwise():
 if __name__ == "__main__":
     compile_attention("bf16", 128, 2, 16, False, False, 8)
     compile_attention("fp32", 64, 3, 64, True, True, 1)
+    compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
     compile_elementwise()
     print("all kernels compiled for sm_90")

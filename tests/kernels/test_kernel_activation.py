@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from runtime.models.layers import SiluAndMul  # noqa: E402
 from runtime_kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 
-from kernel_testing import tolerance  # noqa: E402
+from support.kernel_testing import tolerance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -22,7 +22,7 @@ from runtime_kernels.attention import (  # noqa: E402
     unified_attention_ref,
 )
 
-from kernel_testing import BF16_TOL  # noqa: E402
+from support.kernel_testing import BF16_TOL
 
 # (tokens already cached, new tokens this step) per request.
 MIXED = [(0, 9), (7, 1), (0, 1), (13, 1), (4, 6), (11, 19), (2, 1), (30, 1)]
@@ -109,13 +109,23 @@ DECODES = [(c, 1) for c in (0, 5, 16, 33, 150, 1)]  # decode-only: the larger 8-
 
 
 @pytest.mark.parametrize("requests", [MIXED, DECODES], ids=["mixed", "decodes"])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, BF16_TOL)])
+@pytest.mark.parametrize(
+    "dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, BF16_TOL), (torch.float16, BF16_TOL)]
+)
 def test_fp8_cache(device, dtype, tol, requests):
-    """Keys and values stored as float8_e4m3fn are attended in the query's dtype."""
+    """Keys and values stored as float8_e4m3fn: float32 queries attend in float32, 16-bit ones in float16."""
     query, kv, qsl, seq_lens, table, max_q = make_batch(requests, 4, 2, 64, 16, dtype, device, seed=4)
     kv = kv.to(torch.float8_e4m3fn)
     out, ref = run_both((query, kv, qsl, seq_lens, table, max_q), 0.125, window=13)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_fp8_cache_softcap_and_split_kv(device):
+    """The float16 dots of an 8-bit cache keep the softcap (scale folded into the query) and split-KV merge."""
+    query, kv, qsl, seq_lens, table, max_q = make_batch(DECODES, 8, 2, 64, 16, torch.bfloat16, device, seed=5)
+    kv = kv.to(torch.float8_e4m3fn)
+    out, ref = run_both((query, kv, qsl, seq_lens, table, max_q), 0.3, softcap=5.0, num_segments=4)
+    torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
 
 
 def test_reference_matches_per_token_loop():

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from runtime_kernels.gemv import gemv, gemv_ref  # noqa: E402
 
-from kernel_testing import tolerance  # noqa: E402
+from support.kernel_testing import tolerance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -11,7 +11,7 @@ from runtime.models.layers import GemmaRMSNorm, RMSNorm  # noqa: E402
 from runtime_kernels.norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 from runtime_kernels.utils import interpreting  # noqa: E402
 
-from kernel_testing import tolerance  # noqa: E402
+from support.kernel_testing import tolerance
 
 
 

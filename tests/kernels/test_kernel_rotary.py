@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 from runtime.models.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 from runtime_kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_ref  # noqa: E402
 
-from kernel_testing import tolerance  # noqa: E402
+from support.kernel_testing import tolerance
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-from paged_batch import PagedRunner
-from tiny_models import smollm2_gguf_path
+from support.paged_batch import PagedRunner
+from runtime.testing.models import smollm2_gguf_path
 
 from runtime.model_loader import get_tokenizer, load_model, resolve_model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import gguf.gguf_reader
 import pytest
-from tiny_models import smollm2_gguf_path
+from runtime.testing.models import smollm2_gguf_path
 
 from runtime.model_loader import get_tokenizer, resolve_model
 from runtime.model_loader import gguf_reader as shared

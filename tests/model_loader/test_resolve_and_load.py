@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, smollm2_tokenizer
+from runtime.testing.models import build_tiny_model, smollm2_tokenizer
 
 from runtime.model_loader import get_tokenizer, load_model, resolve_model
 

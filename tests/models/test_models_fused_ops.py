@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_batch import PagedRunner
-from tiny_models import build_tiny_model
+from support.paged_batch import PagedRunner
+from runtime.testing.models import build_tiny_model
 
 from runtime.model_loader import load_model, resolve_model
 from runtime.models.ops import CUSTOM_OPS, custom_ops_scope

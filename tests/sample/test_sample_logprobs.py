@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.engine.messages import LogprobsLists
+from runtime.messages import LogprobsLists
 from runtime.sample import LogprobsTensors, compute_prompt_logprobs, gather_logprobs, to_lists
 
 

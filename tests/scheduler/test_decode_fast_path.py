@@ -13,10 +13,9 @@ import zlib
 
 import pytest
 
-from runtime.config import CacheConfig, SchedulerConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.kv_cache_manager import KVCacheManager
-from runtime.scheduler.output import ModelRunnerOutput
+from runtime.messages import ModelRunnerOutput
 from runtime.scheduler.request import Request
 from runtime.scheduler.scheduler import Scheduler
 
@@ -73,17 +72,6 @@ def clone(request: Request) -> Request:
     )
 
 
-def make_scheduler(num_blocks: int, block_size: int, caching: bool, budget: int, fast: bool) -> Scheduler:
-    scheduler = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-        num_blocks,
-    )
-    if not fast:
-        scheduler.kv_cache_manager.no_op_decode_offsets = range(0)
-    return scheduler
-
-
 def count_allocate_calls(scheduler: Scheduler) -> list[int]:
     calls = [0]
     kv = scheduler.kv_cache_manager
@@ -121,8 +109,9 @@ def assert_blocks_cover_computed_tokens(scheduler: Scheduler) -> None:
         assert len(kv.req_blocks[request.request_id]) == expected, request
 
 
-def run_both(workload, abort_at: dict[int, str], **kwargs) -> tuple[Scheduler, Scheduler, int, int]:
-    fast, general = make_scheduler(fast=True, **kwargs), make_scheduler(fast=False, **kwargs)
+def run_both(make_scheduler, workload, abort_at: dict[int, str], **kwargs) -> tuple[Scheduler, Scheduler, int, int]:
+    kwargs.update(max_seqs=8, max_len=64)
+    fast, general = make_scheduler(fast_decode=True, **kwargs), make_scheduler(fast_decode=False, **kwargs)
     fast_calls, general_calls = count_allocate_calls(fast), count_allocate_calls(general)
     for step in range(400):
         for scheduler in (fast, general):
@@ -149,10 +138,10 @@ def run_both(workload, abort_at: dict[int, str], **kwargs) -> tuple[Scheduler, S
         (256, 4, 7),  # small budget: chunked prefills next to decodes
     ],
 )
-def test_fast_path_matches_general_path(caching, num_blocks, block_size, budget):
+def test_fast_path_matches_general_path(make_scheduler, caching, num_blocks, block_size, budget):
     workload = make_workload(seed=num_blocks + block_size + budget, num_requests=14)
     fast, general, fast_calls, general_calls = run_both(
-        workload, {9: "r3"}, num_blocks=num_blocks, block_size=block_size, caching=caching, budget=budget
+        make_scheduler, workload, {9: "r3"}, num_blocks=num_blocks, block_size=block_size, caching=caching, budget=budget
     )
     assert fast.num_preemptions == general.num_preemptions
     assert fast.kv_cache_manager.stats == general.kv_cache_manager.stats
@@ -163,9 +152,9 @@ def test_fast_path_matches_general_path(caching, num_blocks, block_size, budget)
         assert fast.num_preemptions > 0
 
 
-def test_preemption_when_decodes_run_out_of_blocks():
+def test_preemption_when_decodes_run_out_of_blocks(make_scheduler):
     # 4 requests of 4 prompt tokens decode in lockstep; 8 blocks of 4 hold 32 tokens.
-    fast, general = (make_scheduler(8, 4, caching=False, budget=64, fast=f) for f in (True, False))
+    fast, general = (make_scheduler(8, 4, caching=False, budget=64, max_seqs=8, max_len=64, fast_decode=f) for f in (True, False))
     for scheduler in (fast, general):
         for i in range(4):
             params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -200,12 +189,12 @@ def test_allocate_slots_is_a_no_op_at_the_fast_path_offsets(caching, block_size)
         request.num_computed_tokens += 1
 
 
-def test_block_filled_by_the_last_decode_token_is_cached():
+def test_block_filled_by_the_last_decode_token_is_cached(make_scheduler):
     """A decode token that fills a block takes the general path, so the block is indexed
     even when the request finishes in that same step (4-token blocks)."""
     results = []
     for fast in (True, False):
-        scheduler = make_scheduler(16, 4, caching=True, budget=64, fast=fast)
+        scheduler = make_scheduler(16, 4, caching=True, budget=64, max_seqs=8, max_len=64, fast_decode=fast)
         a = Request("a", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
         scheduler.add_request(a)
         step_record(scheduler)  # prefill 3 tokens, sample t1

@@ -2,14 +2,8 @@
 
 import pytest
 
-from runtime.sampling_params import SamplingParams
 from runtime.scheduler.block_pool import BlockPool
 from runtime.scheduler.kv_cache_manager import KVCacheManager
-from runtime.scheduler.request import Request
-
-
-def make_request(req_id, tokens, **params):
-    return Request(req_id, tokens, SamplingParams(**params))
 
 
 def test_block_pool_allocates_in_order_and_frees_to_tail():
@@ -27,7 +21,7 @@ def test_block_pool_rejects_empty_cache():
         BlockPool(0, enable_caching=True)
 
 
-def test_allocate_slots_counts_blocks_and_refuses_when_full():
+def test_allocate_slots_counts_blocks_and_refuses_when_full(make_request):
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
     req = make_request("a", list(range(10)))
     assert kv.allocate_slots(req, 10) == [0, 1, 2]
@@ -41,7 +35,7 @@ def test_allocate_slots_counts_blocks_and_refuses_when_full():
     assert kv.pool.num_free_blocks == 4
 
 
-def test_prefix_cache_hits_shared_full_blocks():
+def test_prefix_cache_hits_shared_full_blocks(make_request):
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
     first = make_request("a", list(range(10)))
     computed, n = kv.get_computed_blocks(first)
@@ -57,7 +51,7 @@ def test_prefix_cache_hits_shared_full_blocks():
     assert kv.stats.hits == 8 and kv.stats.queries == 21
 
 
-def test_prefix_cache_leaves_one_token_to_compute():
+def test_prefix_cache_leaves_one_token_to_compute(make_request):
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
     a = make_request("a", list(range(8)))
     kv.allocate_slots(a, 8)
@@ -66,7 +60,7 @@ def test_prefix_cache_leaves_one_token_to_compute():
     assert n == 4  # the last block is recomputed so the step has logits
 
 
-def test_freed_blocks_stay_cached_until_evicted():
+def test_freed_blocks_stay_cached_until_evicted(make_request):
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)
     a = make_request("a", list(range(9)))
     ids = kv.allocate_slots(a, 9)
@@ -85,14 +79,14 @@ def test_freed_blocks_stay_cached_until_evicted():
     assert kv.get_computed_blocks(d)[1] == 0
 
 
-def test_prompt_logprobs_requests_skip_the_cache():
+def test_prompt_logprobs_requests_skip_the_cache(make_request):
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
     kv.allocate_slots(make_request("a", list(range(9))), 9)
     computed, n = kv.get_computed_blocks(make_request("b", list(range(9)), prompt_logprobs=1))
     assert computed == [] and n == 0
 
 
-def test_reset_prefix_cache_only_when_idle():
+def test_reset_prefix_cache_only_when_idle(make_request):
     kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=True)
     a = make_request("a", list(range(8)))
     kv.allocate_slots(a, 8)

@@ -1,29 +1,7 @@
 """The token-budget scheduler: budget, chunking, preemption, priority, stops, abort."""
 
-from runtime.config import CacheConfig, SchedulerConfig
-from runtime.sampling_params import SamplingParams
-from runtime.scheduler.output import ModelRunnerOutput
-from runtime.scheduler.request import Request, RequestStatus
-from runtime.scheduler.scheduler import Scheduler
-
-
-def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=16, policy="fcfs", caching=False, max_len=256):
-    return Scheduler(
-        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len, policy=policy),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-        num_blocks,
-    )
-
-
-def make_request(req_id, num_prompt, max_tokens=4, priority=0, arrival=None, **params):
-    return Request(
-        req_id,
-        list(range(1, num_prompt + 1)),
-        SamplingParams(max_tokens=max_tokens, **params),
-        eos_token_ids=frozenset({0}),
-        arrival_time=arrival,
-        priority=priority,
-    )
+from runtime.messages import ModelRunnerOutput
+from runtime.scheduler.request import RequestStatus
 
 
 def run_step(scheduler, token=7):
@@ -38,7 +16,7 @@ def run_step(scheduler, token=7):
     return so, out
 
 
-def test_budget_is_shared_and_prefill_is_chunked():
+def test_budget_is_shared_and_prefill_is_chunked(make_scheduler, make_request):
     s = make_scheduler(budget=16)
     s.add_request(make_request("a", 10))
     s.add_request(make_request("b", 10))
@@ -51,7 +29,7 @@ def test_budget_is_shared_and_prefill_is_chunked():
     assert {o.request_id for o in out.outputs} == {"a", "b"}
 
 
-def test_max_num_seqs_limits_running():
+def test_max_num_seqs_limits_running(make_scheduler, make_request):
     s = make_scheduler(max_seqs=2)
     for i in range(3):
         s.add_request(make_request(str(i), 4))
@@ -60,19 +38,15 @@ def test_max_num_seqs_limits_running():
     assert len(s.waiting) == 1
 
 
-def test_no_chunking_when_disabled():
-    s = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False),
-        CacheConfig(block_size=4, enable_prefix_caching=False),
-        64,
-    )
+def test_no_chunking_when_disabled(make_scheduler, make_request):
+    s = make_scheduler(budget=16, max_seqs=8, max_len=16, chunked_prefill=False)
     s.add_request(make_request("a", 10))
     s.add_request(make_request("b", 10))
     so, _ = run_step(s)
     assert so.num_scheduled_tokens == {"a": 10}
 
 
-def test_max_tokens_and_eos_and_stop_token_ids():
+def test_max_tokens_and_eos_and_stop_token_ids(make_scheduler, make_request):
     s = make_scheduler()
     s.add_request(make_request("len", 4, max_tokens=2))
     s.add_request(make_request("stop", 4, max_tokens=10, stop_token_ids=[7]))
@@ -85,7 +59,7 @@ def test_max_tokens_and_eos_and_stop_token_ids():
     assert not s.has_requests()
 
 
-def test_eos_respects_min_tokens_and_ignore_eos():
+def test_eos_respects_min_tokens_and_ignore_eos(make_scheduler, make_request):
     s = make_scheduler()
     s.add_request(make_request("min", 4, max_tokens=5, min_tokens=2))
     s.add_request(make_request("ign", 4, max_tokens=3, ignore_eos=True))
@@ -97,7 +71,7 @@ def test_eos_respects_min_tokens_and_ignore_eos():
     assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("ign", "length")]
 
 
-def test_preemption_frees_blocks_and_resumes_by_recompute():
+def test_preemption_frees_blocks_and_resumes_by_recompute(make_scheduler, make_request):
     # 6 blocks of 4 tokens; two requests of 8 prompt tokens each grow until they collide.
     s = make_scheduler(num_blocks=6, block_size=4, budget=64, max_len=64)
     s.add_request(make_request("a", 8, max_tokens=12))
@@ -116,7 +90,7 @@ def test_preemption_frees_blocks_and_resumes_by_recompute():
     assert s.kv_cache_manager.pool.num_free_blocks == 6
 
 
-def test_preempted_request_is_resent_with_its_outputs():
+def test_preempted_request_is_resent_with_its_outputs(make_scheduler, make_request):
     s = make_scheduler(num_blocks=4, block_size=4, budget=64, max_len=64)
     s.add_request(make_request("a", 4, max_tokens=8))
     s.add_request(make_request("b", 4, max_tokens=8))
@@ -132,7 +106,7 @@ def test_preempted_request_is_resent_with_its_outputs():
     assert resumed.num_computed_tokens == 0 and resumed.output_token_ids == [7] * len(resumed.output_token_ids)
 
 
-def test_priority_policy_orders_waiting_and_preempts_lowest():
+def test_priority_policy_orders_waiting_and_preempts_lowest(make_scheduler, make_request):
     s = make_scheduler(max_seqs=1, policy="priority")
     s.add_request(make_request("low", 4, priority=5, arrival=1.0))
     s.add_request(make_request("high", 4, priority=0, arrival=2.0))
@@ -140,7 +114,7 @@ def test_priority_policy_orders_waiting_and_preempts_lowest():
     assert list(so.num_scheduled_tokens) == ["high"]
 
 
-def test_fcfs_orders_by_arrival():
+def test_fcfs_orders_by_arrival(make_scheduler, make_request):
     s = make_scheduler(max_seqs=1)
     s.add_request(make_request("first", 4, priority=5, arrival=1.0))
     s.add_request(make_request("second", 4, priority=0, arrival=2.0))
@@ -148,7 +122,7 @@ def test_fcfs_orders_by_arrival():
     assert list(so.num_scheduled_tokens) == ["first"]
 
 
-def test_abort_frees_blocks_and_tells_workers():
+def test_abort_frees_blocks_and_tells_workers(make_scheduler, make_request):
     s = make_scheduler()
     s.add_request(make_request("a", 8, max_tokens=100))
     s.add_request(make_request("b", 8, max_tokens=100))
@@ -161,7 +135,7 @@ def test_abort_frees_blocks_and_tells_workers():
     assert not s.has_requests() and s.kv_cache_manager.pool.num_free_blocks == 64
 
 
-def test_prefix_cache_hit_counts_cached_tokens():
+def test_prefix_cache_hit_counts_cached_tokens(make_scheduler, make_request):
     s = make_scheduler(caching=True)
     s.add_request(make_request("a", 12, max_tokens=1))
     run_step(s)
@@ -171,7 +145,7 @@ def test_prefix_cache_hit_counts_cached_tokens():
     assert out.outputs[0].num_cached_tokens == 8
 
 
-def test_priority_policy_preempts_the_lowest_priority_running_request():
+def test_priority_policy_preempts_the_lowest_priority_running_request(make_scheduler, make_request):
     s = make_scheduler(num_blocks=4, block_size=4, budget=64, policy="priority", max_len=64)
     s.add_request(make_request("low", 4, max_tokens=8, priority=9, arrival=1.0))
     s.add_request(make_request("high", 4, max_tokens=8, priority=0, arrival=2.0))
@@ -184,7 +158,7 @@ def test_priority_policy_preempts_the_lowest_priority_running_request():
     assert preempted == ["low"]
 
 
-def test_eos_that_is_also_a_stop_token_id_reports_no_stop_reason():
+def test_eos_that_is_also_a_stop_token_id_reports_no_stop_reason(make_scheduler, make_request):
     s = make_scheduler()
     s.add_request(make_request("eos", 4, max_tokens=10, stop_token_ids=[0]))
     s.add_request(make_request("ign", 4, max_tokens=10, stop_token_ids=[0], ignore_eos=True))

@@ -107,7 +107,7 @@ def select_attention_backend(name: str | None, platform, dtype: torch.dtype, hea
     head_sizes = comp.options.get("head_sizes")
     if head_sizes and head_size not in head_sizes:
         raise ValueError(f"attention backend {name!r} does not support head size {head_size}; supported: {head_sizes}")
-    return comp.obj()
+    return registry.create(name)
 
 
 def as_cached(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,9 @@ class LatencyResult:
     backend: str
     latency_s: float  # whole batch, output_len tokens
     ttft_s: float  # whole batch, one token
+    # Speculative decoding: tokens emitted per request and verification step (1 + accepted
+    # drafts / drafts, vLLM's mean acceptance length) over the timed runs; None when off.
+    acceptance_length: float | None = None
 
     def tpot_ms(self, output_len: int) -> float:
         return 1000 * (self.latency_s - self.ttft_s) / max(output_len - 1, 1)
@@ -52,7 +55,26 @@ def runtime_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
         outputs = llm.generate(inputs, params, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == num_tokens for o in outputs)
 
+    run.spec_counts = lambda: spec_decode_counts(llm)
     return run
+
+
+def spec_decode_counts(llm) -> tuple[int, int] | None:
+    """(drafts, accepted draft tokens) so far, from the engine's scheduler stats; None without speculation."""
+    stats = getattr(llm.llm_engine, "last_stats", None) or {}
+    if "spec_decode_num_drafts" not in stats:
+        return None
+    return stats["spec_decode_num_drafts"], stats["spec_decode_num_accepted_tokens"]
+
+
+def mean_acceptance_length(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """1 + accepted / drafts between two counts (vLLM's mean acceptance length); None without
+    speculation, NaN when no drafts were proposed."""
+    if after is None:
+        return None
+    drafts = after[0] - (before[0] if before else 0)
+    accepted = after[1] - (before[1] if before else 0)
+    return 1.0 + accepted / drafts if drafts else float("nan")
 
 
 def hf_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
@@ -73,9 +95,12 @@ def hf_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
 
 def measure(args, backend: str, prompts: list[list[int]]) -> LatencyResult:
     run = (runtime_runner if backend == "runtime" else hf_runner)(args, prompts)
+    spec_counts = getattr(run, "spec_counts", lambda: None)
+    before = spec_counts()
     latency = _mean_time(run, args.output_len, args.num_iters, args.num_iters_warmup)
+    acceptance = mean_acceptance_length(before, spec_counts())
     ttft = _mean_time(run, 1, args.num_iters, args.num_iters_warmup)
-    return LatencyResult(backend, latency, ttft)
+    return LatencyResult(backend, latency, ttft, acceptance)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,4 +147,12 @@ def main(args) -> int:
     print(f"{'backend':<10} {'latency s':>10} {'TTFT ms':>9} {'TPOT ms':>9}")
     for r in results:
         print(f"{r.backend:<10} {r.latency_s:>10.3f} {1000 * r.ttft_s:>9.2f} {r.tpot_ms(args.output_len):>9.2f}")
+    for r in results:
+        if r.acceptance_length is None:
+            continue
+        if r.acceptance_length != r.acceptance_length:  # NaN
+            print(f"{r.backend}: speculative decoding, mean acceptance length n/a (no drafts were proposed)")
+        else:
+            print(f"{r.backend}: speculative decoding, mean acceptance length {r.acceptance_length:.2f} "
+                  "(tokens per request and verification step: 1 + accepted drafts / drafts)")
     return 0

@@ -84,10 +84,33 @@ def sharegpt_requests(path: str, tokenizer, num: int, fixed_output_len: int | No
     return requests
 
 
+def random_id_requests(args) -> list[BenchRequest]:
+    """``runtime bench throughput``'s workload for the same lengths and seed: no tokenizer needed."""
+    from runtime.bench.throughput import make_workload, parse_range
+
+    if args.endpoint != "completions":
+        raise ValueError("--dataset-name random-ids sends token-id prompts: it needs --endpoint completions")
+    vocab = args.vocab_size or _served_vocab_size(args)
+    workload = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed)
+    return [BenchRequest(p, len(p), n) for p, n in zip(workload.prompts, workload.output_lens)]
+
+
+def _served_vocab_size(args) -> int:
+    root = args.model_root
+    config = os.path.join(root or "", "config.json")
+    if not root or not os.path.isfile(config):
+        raise ValueError(f"--dataset-name random-ids needs --vocab-size (the served model {root!r} has no config.json here)")
+    with open(config) as f:
+        data = json.load(f)
+    return int(data.get("vocab_size") or data["text_config"]["vocab_size"])
+
+
 # ------------------------------------------------------------------ requests
 def request_body(args, request: BenchRequest, tokenizer) -> dict:
     body = {"model": args.model, "max_tokens": request.output_len, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+    if args.dataset_name == "random-ids":
+        body["return_token_ids"] = True
     if args.endpoint == "chat":
         text = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(request.prompt)
         body["messages"] = [{"role": "user", "content": text}]
@@ -115,7 +138,7 @@ async def send_request(http, url: str, body: dict, prompt_len: int) -> RequestRe
                     return result
                 if data.get("usage"):
                     result.output_tokens = data["usage"]["completion_tokens"]
-                if not any(_chunk_text(c) for c in data.get("choices", ())):
+                if not any(_chunk_text(c) or c.get("token_ids") for c in data.get("choices", ())):
                     continue
                 now = time.perf_counter()
                 if num_chunks == 0:
@@ -239,12 +262,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the served model's path)")
     parser.add_argument("--api-key", default=os.environ.get("RUNTIME_API_KEY") or os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
+    parser.add_argument("--dataset-name", choices=("random", "random-ids", "sharegpt"), default="random",
+                        help="random: random token ids (tokenizer for the vocab); random-ids: runtime bench "
+                             "throughput's prompts, no tokenizer; sharegpt: --dataset-path")
     parser.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON file")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=64)
     parser.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths vary by up to this fraction")
+    parser.add_argument("--input-len", default="128", help="random-ids: prompt length range MIN,MAX")
+    parser.add_argument("--output-len", default="64", help="random-ids: output length range MIN,MAX")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="random-ids: token ids below this (default: the served model's config.json)")
     parser.add_argument("--sharegpt-output-len", type=int, default=None, help="fixed output length for ShareGPT")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
@@ -277,10 +306,14 @@ def main(args) -> int:
     args.base_url = args.base_url or f"http://{args.host}:{args.port}"
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise ValueError(f"request rate and burstiness must be > 0, got {args.request_rate} and {args.burstiness}")
-    name, root = _served_model(args)
+    name, args.model_root = _served_model(args)
     args.model = args.model or name
-    tokenizer = _load_tokenizer(args.tokenizer or root)
-    if args.dataset_name == "sharegpt":
+    tokenizer = None
+    if args.dataset_name != "random-ids":
+        tokenizer = _load_tokenizer(args.tokenizer or args.model_root)
+    if args.dataset_name == "random-ids":
+        requests = random_id_requests(args)
+    elif args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
         requests = sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed)

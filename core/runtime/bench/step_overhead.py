@@ -62,7 +62,7 @@ def _wrap_parts(engine) -> tuple[_Timer, dict[str, _Timer]]:
 
 
 def _make_engine(num_requests: int, prompt_len: int, cpu_num_threads: int | None):
-    from runtime.config import EngineArgs
+    from runtime.engine_args import EngineArgs
     from runtime.engine.llm_engine import LLMEngine
 
     args = EngineArgs(

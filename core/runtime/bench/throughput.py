@@ -124,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-num-prompts", type=int, default=None,
         help="run the transformers peers on only the first N requests (when the whole workload would take hours)",
     )
+    parser.add_argument(
+        "--structured-output", default=None, choices=("json",),
+        help="constrain every request by one of a fixed set of JSON schemas and compare with the same tokens unconstrained",
+    )
     parser.add_argument("--output-json", default=None, help="write the results here")
     parser.add_argument("--quiet", action="store_true")
     add_engine_args(parser)
@@ -148,6 +152,8 @@ def main(args) -> int:
         if not 0 < n <= len(workload.prompts):
             raise ValueError(f"--hf-num-prompts must be in 1..{len(workload.prompts)} (--num-prompts), got {n}")
         peer_workload = Workload(workload.prompts[:n], workload.output_lens[:n])
+    if args.structured_output:
+        return main_structured(args, workload, peer_workload, backends)
     runners = {
         "runtime": lambda: (workload, run_runtime(args, workload)),
         "hf": lambda: (peer_workload, run_hf(args, peer_workload, batched=False)),
@@ -165,4 +171,26 @@ def main(args) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)
+    return 0
+
+
+def main_structured(args, workload: Workload, peer_workload: Workload, backends: list[str]) -> int:
+    from runtime.bench import structured
+
+    if "runtime" not in backends:
+        raise ValueError("--structured-output compares runs of this engine: include 'runtime' in --backends")
+    result = structured.run_runtime_structured(args, workload, engine_kwargs(args))
+    structured.print_report(result, None, len(workload.prompts))  # before the (slow) peer runs
+    hf_s = None
+    if "hf" in backends:
+        from runtime.model_loader import get_tokenizer, resolve_model
+
+        tokenizer = get_tokenizer(resolve_model(args.model))
+        n = len(peer_workload.prompts)
+        hf_s = structured.run_hf_structured(args, peer_workload, _hf_model(args), tokenizer, result["lengths"][:n])
+        hf_s *= len(workload.prompts) / n  # scaled to the whole workload when it ran on a subset
+        structured.print_report(result, hf_s, len(workload.prompts))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({**result, "hf_s": hf_s}, f, indent=2)
     return 0

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 
-from runtime.config import EngineArgs
+from runtime.engine_args import EngineArgs
 
 
 def _base_type(annotation):
     if isinstance(annotation, str):
-        names = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "None": None}
+        names = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict, "None": None}
         annotation = eval(annotation, names)  # noqa: S307
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         return args[0]
     return annotation
+
+
+def json_object(text: str) -> dict:
+    """A dict-valued flag's value: JSON text of an object (vLLM's ``--speculative-config '{...}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {text!r}")
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -35,6 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         kwargs = {"dest": f.name, "default": f.default, "type": kind, "help": help_text}
         if typing.get_origin(kind) is list:  # a list flag takes one or more values
             kwargs.update(type=typing.get_args(kind)[0], nargs="+")
+        elif kind is dict:  # a dict flag takes JSON text
+            kwargs.update(type=json_object, metavar="JSON")
         if f.metadata.get("choices"):
             kwargs["choices"] = f.metadata["choices"]
         if f.metadata.get("kind"):

@@ -8,7 +8,7 @@ import sys
 
 
 def build_parser(load_plugins: bool = True) -> argparse.ArgumentParser:
-    from runtime.cli import bench, plugins_cmd, serve
+    from runtime.cli import bench, plugins_cmd, proxy, serve
     from runtime.plugins import get_plugin_manager
 
     parser = argparse.ArgumentParser(prog="runtime", description="LLM inference and serving engine")
@@ -17,6 +17,7 @@ def build_parser(load_plugins: bool = True) -> argparse.ArgumentParser:
     serve.register(sub)
     plugins_cmd.register(sub)
     bench.register(sub)
+    proxy.register(sub)
     if load_plugins:
         get_plugin_manager().hook.register_commands(cli=sub)
     return parser

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass
 
-from runtime.config import EngineArgs, EngineConfig
+from runtime.config import EngineConfig
+from runtime.engine_args import EngineArgs
 from runtime.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailure
+from runtime.engine.dp_client import DPEngineCoreClient, make_engine_client
 from runtime.engine.input_processor import InputProcessor, PromptType
 from runtime.engine.llm_engine import load_tokenizer
-from runtime.engine.messages import EngineCoreOutputs
+from runtime.engine.coalesce import take_queued
+from runtime.engine.parent_request import ParentRequest, fan_out
+from runtime.engine.request_state import RequestState
+from runtime.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from runtime.metrics import EngineMetrics
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -28,39 +34,75 @@ from runtime.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 DEFAULT_READY_TIMEOUT_S = 600.0
+ROUTE_CHUNK_ENTRIES = 4096  # logprob entries (or outputs) turned into RequestOutputs per turn of the loop
+
+
+def split_outputs(outputs: list[EngineCoreOutput], max_entries: int) -> Iterator[list[EngineCoreOutput]]:
+    """``outputs`` in order, in runs of about ``max_entries`` (an output counts 1 plus its logprob entries)."""
+    chunk: list[EngineCoreOutput] = []
+    num_entries = 0
+    for output in outputs:
+        chunk.append(output)
+        num_entries += 1
+        for lists in (output.new_logprobs, output.new_prompt_logprobs):
+            if lists is not None and lists.token_ids:
+                num_entries += len(lists.token_ids) * len(lists.token_ids[0])
+        if num_entries >= max_entries:
+            yield chunk
+            chunk, num_entries = [], 0
+    if chunk:
+        yield chunk
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A request tokenized, validated and fanned out, ready to register and send."""
+
+    request_id: str
+    children: list[EngineCoreRequest]  # the request itself when n == 1
+    states: list[RequestState]  # the OutputProcessor's state of each child
 
 
 class AsyncLLM:
     """Serve many concurrent requests from one event loop; start with ``await AsyncLLM.start(args)``."""
 
-    def __init__(self, config: EngineConfig, engine_args: EngineArgs):
+    def __init__(
+        self, config: EngineConfig, engine_args: EngineArgs, engine_core: EngineCoreClient | DPEngineCoreClient | None = None,
+        metrics: EngineMetrics | None = None, stream_interval: int = 1,
+    ):
         from runtime.engine.output_processor import OutputProcessor
 
         # Spawn first: the engine loads the model while this process loads the tokenizer.
-        self.engine_core = EngineCoreClient(engine_args)
+        self.engine_core = engine_core or make_engine_client(engine_args, config)
         self.config = config
         self.model_config = config.model_config
-        try:
+        try:  # a failure (or a SIGTERM's KeyboardInterrupt) anywhere below must not leave the engine running
             self.tokenizer = load_tokenizer(config)
+            self.input_processor = InputProcessor(
+                config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend")
+            )
+            self.output_processor = OutputProcessor(self.tokenizer, stream_interval)
+            self.metrics = metrics or EngineMetrics(config.model_config.served_model_name)
         except BaseException:
             self.engine_core.shutdown()
             raise
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(config.model_config.served_model_name)
         self._queues: dict[str, asyncio.Queue] = {}  # request id -> RequestOutput | BaseException
         self._parent_of: dict[str, str] = {}  # engine (child) request id -> request id
+        self._child_ids: dict[str, list[str]] = {}  # request id -> its engine request ids
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._dead_error: EngineDeadError | None = None
+        self._stopping: EngineDeadError | None = None  # set by abort_all: no new requests
         self._output_task: asyncio.Task | None = None
 
     @classmethod
     async def start(
-        cls, engine_args: EngineArgs, config: EngineConfig | None = None, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S
+        cls, engine_args: EngineArgs, config: EngineConfig | None = None, ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        **kwargs,
     ) -> "AsyncLLM":
-        """Build the config (validating every argument here), spawn the engine, wait until it is ready."""
+        """Build the config (validating every argument here), spawn the engine (or use ``engine_core``),
+        wait until it is ready; ``kwargs`` go to the constructor."""
         config = config or engine_args.create_engine_config()
-        llm = cls(config, engine_args)
+        llm = cls(config, engine_args, **kwargs)
         try:
             await llm.engine_core.wait_ready(ready_timeout_s)
         except BaseException:
@@ -73,6 +115,11 @@ class AsyncLLM:
     @property
     def engine_pid(self) -> int | None:
         return self.engine_core.process.pid
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """One per data-parallel replica."""
+        return self.engine_core.engine_pids
 
     @property
     def is_dead(self) -> bool:
@@ -91,8 +138,16 @@ class AsyncLLM:
         self._dead_callbacks.append(callback)
 
     def check_health(self) -> None:
-        if self._dead_error is not None:
-            raise self._dead_error
+        error = self._dead_error or self._stopping
+        if error is not None:
+            raise error
+
+    def probe_health(self) -> EngineDeadError | None:
+        """Why the engine cannot serve, checking its processes now: a replica may have died an instant ago,
+        before the output handler (which polls) has noticed."""
+        if self._dead_error is None and self.engine_core.probe_death() is not None:
+            return EngineDeadError(self.engine_core.dead_message)
+        return self._dead_error
 
     # --------------------------------------------------------------- requests
     async def generate(
@@ -102,15 +157,27 @@ class AsyncLLM:
 
         Raises ValueError for bad input (before anything is yielded), EngineDeadError
         if the engine dies. Closing the generator early aborts the request.
+        Tokenizing, validating and fanning out run in a worker thread, so a large
+        prompt or ``n`` never stalls the event loop (and the other requests).
         """
         self.check_health()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        queue = self._add_request(request_id, prompt, sampling_params, priority)
-        finished = False
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue  # reserved while the thread works
+        finished = added = False
         try:
+            prepared = await asyncio.to_thread(self._prepare, request_id, prompt, sampling_params, priority)
+            self.check_health()
+            self._add_request(prepared)
+            added = True
+            pending = None  # an error queued behind outputs, raised once they are out
             while not finished:
-                item = queue.get_nowait() if not queue.empty() else await queue.get()
+                if pending is not None:
+                    item, pending = pending, None
+                else:
+                    item = queue.get_nowait() if not queue.empty() else await queue.get()
+                    item, pending = take_queued(item, queue, sampling_params.output_kind)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -118,23 +185,24 @@ class AsyncLLM:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if not finished:
+            if added and not finished:
                 self.abort(request_id)
+            self._child_ids.pop(request_id, None)
 
-    def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int) -> asyncio.Queue:
-        from runtime.engine.parent_request import ParentRequest, fan_out
-
+    def _prepare(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int) -> PreparedRequest:
+        """Tokenize, validate, fan out and build the output states (off the event loop: touches no shared state)."""
         request, prompt_text = self.input_processor.process(request_id, prompt, params, priority)
         children = fan_out(request)
         parent = ParentRequest(request) if len(children) > 1 else None
-        try:
-            for index, child in enumerate(children):
-                self.output_processor.add_request(child, prompt_text, parent, index)
-        except BaseException:  # e.g. stop strings without a tokenizer: forget the children added so far
-            self.output_processor.abort_requests([request_id])
-            raise
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        states = self.output_processor.new_states(children, prompt_text, parent)  # ValueError: stop strings, no tokenizer
+        return PreparedRequest(request_id, children, states)
+
+    def _add_request(self, prepared: PreparedRequest) -> None:
+        """Track and send a prepared request: O(1) per child on the event loop."""
+        request_id, children = prepared.request_id, prepared.children
+        self.output_processor.add_states(prepared.states)
+        child_ids = [child.request_id for child in children]
+        self._child_ids[request_id] = child_ids
         for index, child in enumerate(children):
             self._parent_of[child.request_id] = request_id
             num_prompt = len(child.prompt_token_ids) if index == 0 else 0
@@ -143,42 +211,56 @@ class AsyncLLM:
             for child in children:
                 self.engine_core.add_request(child)
         except BaseException:
-            self._queues.pop(request_id, None)
             self.abort(request_id)
             raise
-        return queue
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; unknown or finished ids are ignored."""
+        """Stop a request wherever it is; unknown or finished ids are ignored. O(number of its children)."""
         child_ids = self.output_processor.abort_requests([request_id])
-        child_ids += [c for c, p in self._parent_of.items() if p == request_id and c not in child_ids]
+        child_ids = list(dict.fromkeys(child_ids + self._child_ids.pop(request_id, [])))
         for child_id in child_ids:
             self._parent_of.pop(child_id, None)
         self.metrics.end_requests(child_ids, "abort")
         if not self.is_dead:
             self.engine_core.abort_requests(child_ids)
 
+    def abort_all(self, reason: str) -> None:
+        """Abort every request in flight, failing each with EngineDeadError(reason), and refuse new ones."""
+        self._stopping = EngineDeadError(reason)
+        for request_id, queue in list(self._queues.items()):
+            self.abort(request_id)
+            queue.put_nowait(self._stopping)
+
     # --------------------------------------------------------- output handler
     async def _output_handler(self) -> None:
         try:
             while True:
-                message = await self.engine_core.get_output()
+                engine_index, message = await self.engine_core.get_indexed_output()
                 if isinstance(message, RequestFailure):
                     self._fail_request(message)
                 else:
-                    self._route(message)
+                    await self._route(message, engine_index)
         except EngineDeadError as exc:
             self._engine_died(exc)
         except Exception as exc:  # a bug here must not leave requests hanging
             logger.exception("the output handler failed")
             self._engine_died(EngineDeadError(f"the output handler failed: {type(exc).__name__}: {exc}"))
 
-    def _route(self, outputs: EngineCoreOutputs) -> None:
-        self.metrics.record(outputs)
-        for output in outputs.outputs:
+    async def _route(self, outputs: EngineCoreOutputs, engine_index: int = 0) -> None:
+        """Hand one step's outputs (of data-parallel replica ``engine_index``) to their requests, in chunks of
+        bounded work (a step of many prompt logprobs would otherwise hold the event loop, and every other
+        client, for seconds)."""
+        self.metrics.record(outputs, engine_index=engine_index)
+        for index, chunk in enumerate(split_outputs(outputs.outputs, ROUTE_CHUNK_ENTRIES)):
+            if index:
+                await asyncio.sleep(0)
+            self._route_chunk(chunk)
+
+    def _route_chunk(self, outputs: list[EngineCoreOutput]) -> None:
+        for output in outputs:
             if output.finished:
                 self._parent_of.pop(output.request_id, None)
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs)
         for request_output in processed.request_outputs:
             queue = self._queues.get(request_output.request_id)
             if queue is not None:
@@ -216,4 +298,5 @@ class AsyncLLM:
                 await self._output_task
             except (asyncio.CancelledError, Exception):
                 pass
+        await self.engine_core.stop_reading()
         await asyncio.to_thread(self.engine_core.shutdown)

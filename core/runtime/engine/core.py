@@ -6,13 +6,17 @@ import logging
 from typing import Any
 
 from runtime.config import EngineConfig
-from runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from runtime.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from runtime.executor.base import create_executor
+from runtime.kv_transfer import KVConnectorRole, make_kv_connector
 from runtime.scheduler.request import Request, RequestStatus
-from runtime.scheduler.output import SchedulerOutput
 from runtime.scheduler.scheduler import Scheduler
+from runtime.scheduler.structured_output import StructuredOutputManager
+from runtime.spec_decode import DRAFT_PLACEHOLDER_ID, ProposalBatch, is_worker_proposer
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.005  # while only compiles are pending, the idle step waits this long for one
 
 
 class EngineCore:
@@ -21,10 +25,25 @@ class EngineCore:
         self.model_config = config.model_config
         self.executor = create_executor(config)
         self.num_blocks = self.executor.initialize()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.structured_output = make_structured_output_manager(config)
+        self.proposer, self.num_speculative_tokens = make_proposer(config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.num_blocks, self.structured_output,
+            num_speculative_tokens=self.num_speculative_tokens,
+            kv_connector=make_kv_connector(config, KVConnectorRole.SCHEDULER),
+        )
+        handshake = getattr(self.scheduler.kv_connector and self.scheduler.kv_connector.connector,
+                            "set_handshake_metadata", None)
+        if handshake is not None:  # the connector's scheduler half hears what every rank's worker half holds
+            handshake(self.executor.collective_rpc("kv_connector_handshake"))
         self.async_scheduling = config.scheduler_config.async_scheduling
         if self.async_scheduling and not hasattr(self.executor, "execute_model_async"):
             logger.warning("executor %s cannot queue steps; async scheduling is off", config.parallel_config.executor)
+            self.async_scheduling = False
+        if self.async_scheduling and self.proposer is not None:
+            # Drafts are proposed from the tokens a step returns, so the next step cannot be
+            # scheduled before they are back.
+            logger.warning("async scheduling is not supported with speculative decoding yet; running synchronous steps")
             self.async_scheduling = False
         self.in_flight: tuple[SchedulerOutput, Any] | None = None  # a launched step not yet collected
         self.num_steps_ahead = 0  # steps queued while the previous one was still running
@@ -64,13 +83,69 @@ class EngineCore:
         return self.scheduler.has_requests() or self.in_flight is not None
 
     def step(self) -> EngineCoreOutputs:
+        if self.in_flight is None and self.scheduler.only_waiting_for_grammar():
+            self.scheduler.wait_for_grammars(GRAMMAR_POLL_S)  # block on the compiles instead of spinning
         if self.async_scheduling:
             return self.step_with_overlap()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.stats())
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.proposer is not None:
+            self.propose_drafts()
+        return outputs
+
+    def propose_drafts(self) -> None:
+        """Draft tokens for the running requests that decode next step (``request.spec_token_ids``).
+
+        A request gets at most k drafts, fewer where emitting all of them plus the target's
+        own token would pass max_tokens or max_model_len, or where min_tokens would be
+        reached inside the run (the sampler's stop mask is exact only before it; see
+        ``max_drafts_for_min_tokens``). Requests with a grammar (structured output) get none:
+        their drafts would have to be checked against the grammar first.
+        """
+        from runtime.sample.rejection_sampler import max_drafts_for_min_tokens
+
+        k = self.num_speculative_tokens
+        max_model_len = self.scheduler.max_model_len
+        requests, limits = [], []
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            if (
+                request.status != RequestStatus.RUNNING
+                or request.grammar is not None
+                or request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1  # not decoding (a prefill chunk is left)
+            ):
+                continue
+            limit = min(
+                k,
+                request.max_tokens - request.num_output_tokens - 1,
+                max_model_len - request.num_tokens - 1,
+                max_drafts_for_min_tokens(request.sampling_params.min_tokens, request.num_output_tokens, k),
+            )
+            if limit > 0:
+                requests.append(request)
+                limits.append(limit)
+        if not requests:
+            return
+        if is_worker_proposer(self.proposer):
+            # The worker drafts inside the verification step; the scheduler spends placeholders.
+            for request, limit in zip(requests, limits):
+                request.spec_token_ids = [DRAFT_PLACEHOLDER_ID] * limit
+            return
+        batch = ProposalBatch(
+            req_ids=[r.request_id for r in requests], token_ids=[r.all_token_ids for r in requests], num_speculative_tokens=k
+        )
+        proposals = self.proposer.propose(batch)
+        if proposals.probs is not None:
+            raise ValueError(
+                "a host proposer (one without uses_kv_cache / needs_hidden_states) returned draft probabilities; only "
+                "worker proposers may sample their drafts (their q stays on the device for the rejection sampler)"
+            )
+        for request, limit, drafts in zip(requests, limits, proposals.token_ids):
+            request.spec_token_ids = list(drafts[:limit])
 
     def step_with_overlap(self) -> EngineCoreOutputs:
         """Queue the next step, then collect the one the device has been running.
@@ -84,7 +159,7 @@ class EngineCore:
         previous, self.in_flight = self.in_flight, None
         if self.scheduler.has_requests() and (previous is None or self.scheduler.can_schedule_ahead()):
             scheduler_output = self.scheduler.schedule()
-            if not scheduler_output.is_empty or scheduler_output.finished_req_ids:
+            if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.kv_connector_metadata:
                 self.in_flight = (scheduler_output, self.executor.execute_model_async(scheduler_output))
                 self.num_steps_ahead += previous is not None
         if previous is None:
@@ -92,8 +167,59 @@ class EngineCore:
         scheduler_output, pending = previous
         return self.scheduler.update_from_output(scheduler_output, pending.result())
 
+    def finish_kv_saves(self, max_steps: int = 4) -> None:
+        """Run the steps that only save blocks to the KV offload tiers (finished requests' KV,
+        held until a step carries its saves), so that a stopped engine leaves them behind."""
+        connector = self.scheduler.kv_connector
+        for _ in range(max_steps):
+            if connector is None or self.scheduler.get_num_unfinished_requests() or not (
+                connector.has_pending_work() or self.in_flight is not None
+            ):
+                return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
+                logger.exception("saving KV blocks to the offload tiers failed while shutting down")
+                return
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.finish_kv_saves()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+def make_proposer(config: EngineConfig):
+    """The speculative-decoding proposer and k, or (None, 0) when speculation is off."""
+    spec = config.plugin_options.get("speculative_config")
+    if not spec:
+        return None, 0
+    from runtime.plugins import get_registry
+
+    method = spec["method"]
+    proposer = get_registry("proposer").create(method, config)  # a worker proposer loads its weights in the worker
+    logger.info("speculative decoding: %s, up to %d draft tokens per step", method, spec["num_speculative_tokens"])
+    return proposer, int(spec["num_speculative_tokens"])
+
+
+def make_structured_output_manager(config: EngineConfig) -> StructuredOutputManager | None:
+    """The manager of grammars when a guided decoding backend is configured (it loads lazily)."""
+    name = config.plugin_options.get("guided_decoding_backend")
+    if name is None:
+        return None
+    model_config = config.model_config
+    if model_config.skip_tokenizer_init:
+        logger.info("structured output is off: it needs the tokenizer (skip_tokenizer_init is set)")
+        return None
+
+    def build_backend():
+        from runtime.model_loader import get_tokenizer
+        from runtime.plugins import get_registry
+
+        tokenizer = get_tokenizer(model_config.resolved)
+        return get_registry("guided_backend").create(name, tokenizer, model_config.vocab_size)
+
+    return StructuredOutputManager(build_backend, model_config.vocab_size, config.plugin_options["structured_output_compile_timeout"])

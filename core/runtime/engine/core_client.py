@@ -1,15 +1,20 @@
 """The API side of the ZMQ link to an EngineCore process (see core_proc.py for the wire format).
 
-``EngineCoreClient`` binds the two ipc sockets in a private temp dir, spawns the
-engine process, waits for its READY, and then sends requests and aborts and
-receives outputs. Death of the engine (a FATAL message or the process gone) is
-raised as ``EngineDeadError`` from ``get_output``; a failure before READY as
+``EngineCoreClient(engine_args)`` binds the two ipc sockets in a private temp dir,
+spawns the engine process, waits for its READY, and then sends requests and aborts and
+receives outputs. With ``--api-server-count N`` the serving parent spawns the engine for
+N clients (``spawn_engine_core``) and each API process attaches with
+``EngineCoreClient.attach``; the parent owns the engine, so such a client never stops it.
+Death of the engine (a FATAL message or the process gone) is raised as
+``EngineDeadError`` from ``get_output``; a failure before READY as
 ``EngineStartupError`` carrying the engine's own message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -21,14 +26,17 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from runtime.config import EngineArgs
+from runtime.engine_args import EngineArgs
 from runtime.engine import core_proc
-from runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from runtime.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
 _DEATH_POLL_S = 0.2  # how often a waiting reader checks that the engine process lives
 _SHUTDOWN_WAIT_S = 5.0
+# The engine reads SHUTDOWN between steps; a step can take seconds on a slow CPU. After this
+# long it is sent SIGTERM, which stops it mid-step through the same cleanup (SystemExit).
+_SHUTDOWN_GRACE_S = 2.0
 
 _outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
 
@@ -43,41 +51,46 @@ class EngineStartupError(RuntimeError):
 
 @dataclass(frozen=True)
 class RequestFailure:
-    """The engine core rejected one request (it raised ValueError in add_request)."""
+    """The engine core rejected one request: ValueError in add_request, or later (a grammar that
+    does not compile)."""
 
     request_id: str
     message: str
 
 
-class EngineCoreClient:
-    """Spawns and talks to one EngineCore process. Use from a single asyncio event loop."""
+def spawn_engine_core(engine_args: EngineArgs, addresses: core_proc.EngineCoreAddresses, placement=None):
+    """Start the engine process that connects to ``addresses`` (its clients bind them); ``placement``:
+    a data-parallel replica's (runtime.engine.dp_placement.ReplicaPlacement)."""
+    rank = "" if placement is None else f"_DP{placement.rank}"
+    process = multiprocessing.get_context("spawn").Process(
+        target=core_proc.run_engine_core, args=(engine_args, addresses, os.getpid(), placement), name=f"EngineCore{rank}",
+    )
+    with contextlib.nullcontext() if placement is None else placement.environment():
+        process.start()
+    where = "" if placement is None else f" for data-parallel rank {placement.rank}"
+    logger.info("engine core process started (pid %d)%s", process.pid, where)
+    return process
 
-    def __init__(self, engine_args: EngineArgs):
-        self._dir = tempfile.mkdtemp(prefix="runtime-engine-")
-        addresses = core_proc.EngineCoreAddresses(
-            input=f"ipc://{os.path.join(self._dir, 'input')}",
-            output=f"ipc://{os.path.join(self._dir, 'output')}",
-        )
-        # Sends never block (unbounded queue), so a plain socket is safe on the event loop.
-        self._sync_ctx = zmq.Context()
-        self._input = self._sync_ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)
-        self._input.bind(addresses.input)
-        self._ctx = zmq.asyncio.Context()
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(addresses.output)
-        self._dead_message: str | None = None
-        self._closed = False
-        self.ready_info: dict = {}
-        mp = multiprocessing.get_context("spawn")
-        self.process = mp.Process(
-            target=core_proc.run_engine_core,
-            args=(engine_args, addresses, os.getpid()),
-            name="EngineCore",
-        )
-        self.process.start()
-        logger.info("engine core process started (pid %d)", self.process.pid)
+
+class SiblingProcess:
+    """The engine as seen from an API process that did not start it (``--api-server-count`` > 1)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.exitcode = None
+
+    def is_alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+
+class DeathState:
+    """Whether the engine is gone, and why (the first reason is kept and logged)."""
+
+    _dead_message: str | None = None
 
     @property
     def is_dead(self) -> bool:
@@ -86,6 +99,52 @@ class EngineCoreClient:
     @property
     def dead_message(self) -> str | None:
         return self._dead_message
+
+    def _mark_dead(self, message: str) -> None:
+        if self._dead_message is None:
+            self._dead_message = message
+            logger.error(message)
+
+
+class EngineCoreClient(DeathState):
+    """Talks to one EngineCore process (and spawns it, unless attached). Use from a single asyncio event loop."""
+
+    def __init__(
+        self, engine_args: EngineArgs | None, addresses=None, client_index: int = 0, engine_pid: int = 0, placement=None,
+    ):
+        self._owns_engine = engine_args is not None
+        self._dir = tempfile.mkdtemp(prefix="runtime-engine-") if self._owns_engine else None
+        if self._owns_engine:
+            addresses = core_proc.EngineCoreAddresses.in_dir(self._dir, 1)
+        self._index = bytes([client_index])
+        # Sends never block (unbounded queue), so a plain socket is safe on the event loop.
+        self._sync_ctx = zmq.Context()
+        self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.bind(addresses.inputs[client_index])
+        self._ctx = zmq.asyncio.Context()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(addresses.outputs[client_index])
+        self._dead_message: str | None = None
+        self._closed = False
+        self.ready_info: dict = {}
+        if self._owns_engine:
+            self.process = spawn_engine_core(engine_args, addresses, placement)
+            # A safety net, run before multiprocessing's own exit hook (which would wait for the engine
+            # forever): an interpreter that exits without shutdown() still stops its engine.
+            atexit.register(self.shutdown)
+        else:
+            self.process = SiblingProcess(engine_pid)
+
+    @classmethod
+    def attach(cls, addresses: core_proc.EngineCoreAddresses, client_index: int, engine_pid: int) -> "EngineCoreClient":
+        """Client ``client_index`` of an engine that another process started and stops."""
+        return cls(None, addresses, client_index, engine_pid)
+
+    @property
+    def engine_pids(self) -> list[int]:
+        return [self.process.pid]
 
     async def wait_ready(self, timeout_s: float) -> dict:
         """Wait for READY; raise EngineStartupError with the engine's message if it fails first."""
@@ -127,49 +186,78 @@ class EngineCoreClient:
                 self._mark_dead(f"the engine failed: {msgspec.msgpack.decode(payload)}")
                 raise EngineDeadError(self._dead_message)
             return kind, payload
-        if not self.process.is_alive():
-            self._mark_dead(f"the engine process exited unexpectedly (exit code {self.process.exitcode})")
+        if self.probe_death() is not None:
             raise EngineDeadError(self._dead_message)
         return None, b""
 
-    def _mark_dead(self, message: str) -> None:
-        if self._dead_message is None:
-            self._dead_message = message
-            logger.error(message)
+    def probe_death(self) -> str | None:
+        """Why the engine is gone, looking at its process now (not waiting for a reader to notice); None if
+        it runs."""
+        if self._dead_message is None and not self.process.is_alive():
+            code = self.process.exitcode
+            how = f"exit code {code}" if code is not None else f"pid {self.process.pid} is gone"
+            self._mark_dead(f"the engine process exited unexpectedly ({how})")
+        return self._dead_message
+
+    async def get_indexed_output(self) -> tuple[int, EngineCoreOutputs | RequestFailure]:
+        """``(engine index, message)``: as get_output; one engine has index 0 (see DPEngineCoreClient)."""
+        return 0, await self.get_output()
+
+    async def stop_reading(self) -> None:
+        """Before ``shutdown``, on the event loop: nothing reads in the background here (see DPEngineCoreClient)."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(core_proc.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send(core_proc.ABORT, list(request_ids))
+            try:
+                self._send(core_proc.ABORT, list(request_ids))
+            except EngineDeadError:
+                pass  # no engine, nothing to abort there
 
     def _send(self, kind: bytes, payload) -> None:
         if self._dead_message is not None:
             raise EngineDeadError(self._dead_message)
         if self._closed:
             raise EngineDeadError("the engine client is shut down")
-        self._input.send_multipart([kind, core_proc.encode(payload)], copy=False)
+        try:
+            # A PUSH socket without a peer would block the event loop: once the engine's process is gone.
+            self._input.send_multipart([kind, self._index, core_proc.encode(payload)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine is not connected (its process is gone)") from None
 
     def shutdown(self) -> None:
         """Ask the engine to stop, then terminate it if it does not; idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self.process.is_alive():
+        atexit.unregister(self.shutdown)
+        if not self._owns_engine:
+            pass  # the serving parent stops the engine
+        elif self.process.is_alive() and self._dead_message is not None:
+            self.process.join(_SHUTDOWN_WAIT_S)  # it reported its failure and is exiting: let it clean up
+        elif self.process.is_alive() and self.ready_info:  # before READY the engine reads no input: terminate
             try:
-                self._input.send_multipart([core_proc.SHUTDOWN, b""], flags=zmq.NOBLOCK)
+                self._input.send_multipart([core_proc.SHUTDOWN, self._index, b""], flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self.process.join(_SHUTDOWN_WAIT_S)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(_SHUTDOWN_WAIT_S)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+            self.process.join(_SHUTDOWN_GRACE_S)
+        if self._owns_engine:
+            stop_process(self.process)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._sync_ctx.term()
         self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def stop_process(process, wait_s: float = _SHUTDOWN_WAIT_S) -> None:
+    """Terminate ``process`` if it still runs, then kill it if it does not stop within ``wait_s``."""
+    if process.is_alive():
+        process.terminate()
+        process.join(wait_s)
+    if process.is_alive():
+        process.kill()
+        process.join()

@@ -1,9 +1,15 @@
 """The EngineCore busy loop in its own process, fed over ZMQ (vLLM V1 process model).
 
-The API process binds two ipc sockets and spawns this process, which connects:
+Each API process (client) binds two ipc sockets; this process connects to all of them:
 
-    API  --PUSH--> input  --PULL--> engine   [kind, payload]: ADD | ABORT | SHUTDOWN
-    API  <--PULL-- output <--PUSH-- engine   [kind, payload]: READY | OUTPUTS | FAILED | FATAL
+    API i --PUSH--> input i  --PULL--> engine   [kind, client index, payload]: ADD | ABORT | SHUTDOWN
+    API i <--PULL-- output i <--PUSH-- engine   [kind, payload]: READY | OUTPUTS | FAILED | FATAL
+
+With ``--api-server-count N`` there are N clients: the engine remembers which client
+added each request and sends its outputs (and failures) only there; scheduler stats go
+to client 0 alone, so that counters derived from them are counted once. With
+``--data-parallel-size`` there is one such process per replica, each with its own
+sockets (runtime.engine.dp_client balances the requests over them).
 
 Payloads are msgspec msgpack. The engine rebuilds its EngineConfig from the
 EngineArgs it is given (loading the model itself), says READY, then loops:
@@ -25,8 +31,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from runtime.config import EngineArgs
-from runtime.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from runtime.engine_args import EngineArgs
+from runtime.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +59,26 @@ def encode(payload) -> bytes:
 
 @dataclass(frozen=True)
 class EngineCoreAddresses:
-    input: str  # the API pushes requests here
-    output: str  # the engine pushes outputs here
+    inputs: tuple[str, ...]  # client i pushes requests to inputs[i]
+    outputs: tuple[str, ...]  # the engine pushes client i's outputs to outputs[i]
+
+    @classmethod
+    def in_dir(cls, folder: str, num_clients: int) -> "EngineCoreAddresses":
+        return cls(
+            inputs=tuple(f"ipc://{os.path.join(folder, f'input{i}')}" for i in range(num_clients)),
+            outputs=tuple(f"ipc://{os.path.join(folder, f'output{i}')}" for i in range(num_clients)),
+        )
 
 
 class EngineCoreProc:
     """Runs one EngineCore against a pair of connected sockets until SHUTDOWN or death."""
 
-    def __init__(self, engine_core, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int):
+    def __init__(self, engine_core, input_socket: zmq.Socket, outputs: list[zmq.Socket], parent_pid: int):
         self.core = engine_core
         self.input = input_socket
-        self.output = output_socket
+        self.outputs = outputs  # one per client
         self.parent_pid = parent_pid
+        self._owner: dict[str, int] = {}  # request id -> client index (only with several clients)
         self._last_stats: dict | None = None
         self._running = True
 
@@ -82,29 +96,56 @@ class EngineCoreProc:
     def _drain_input(self, timeout_ms: int) -> None:
         """Handle every queued message; wait up to ``timeout_ms`` for the first."""
         while self._running and self.input.poll(timeout_ms, zmq.POLLIN):
-            kind, payload = self.input.recv_multipart(copy=False)
-            self._handle(kind.bytes, payload.buffer)
+            kind, client, payload = self.input.recv_multipart(copy=False)
+            self._handle(kind.bytes, client.bytes[0], payload.buffer)
             timeout_ms = 0
 
-    def _handle(self, kind: bytes, payload) -> None:
+    def _handle(self, kind: bytes, client: int, payload) -> None:
         if kind == ADD:
             request = _request_decoder.decode(payload)
             try:
                 self.core.add_request(request)
             except ValueError as exc:
-                self.output.send_multipart([FAILED, encode([request.request_id, str(exc)])])
+                self.outputs[client].send_multipart([FAILED, encode([request.request_id, str(exc)])])
+                return
+            if len(self.outputs) > 1:
+                self._owner[request.request_id] = client
         elif kind == ABORT:
-            self.core.abort_requests(_abort_decoder.decode(payload))
+            request_ids = _abort_decoder.decode(payload)
+            self.core.abort_requests(request_ids)
+            for request_id in request_ids:
+                self._owner.pop(request_id, None)
         elif kind == SHUTDOWN:
             self._running = False
         else:
             raise AssertionError(f"unknown engine input kind {kind!r}")
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.failed:
+            for request_id, message in outputs.failed.items():
+                client = self._owner.pop(request_id, 0)
+                self.outputs[client].send_multipart([FAILED, encode([request_id, message])])
+            outputs.failed = None
         outputs.timestamp = time.time()
         self._last_stats = outputs.scheduler_stats
-        if outputs.outputs or outputs.scheduler_stats:
-            self.output.send_multipart([OUTPUTS, encode(outputs)], copy=False)
+        if len(self.outputs) > 1:
+            self._send_routed(outputs)
+        elif outputs.outputs or outputs.scheduler_stats:
+            self.outputs[0].send_multipart([OUTPUTS, encode(outputs)], copy=False)
+
+    def _send_routed(self, outputs: EngineCoreOutputs) -> None:
+        """Each client's share of one step; client 0 also gets the scheduler stats."""
+        groups: list[list] = [[] for _ in self.outputs]
+        owner = self._owner
+        for output in outputs.outputs:
+            client = owner.pop(output.request_id, None) if output.finish_reason is not None else owner.get(output.request_id)
+            if client is not None:  # None: aborted by its client meanwhile
+                groups[client].append(output)
+        for client, group in enumerate(groups):
+            stats = outputs.scheduler_stats if client == 0 else None
+            if group or stats:
+                message = EngineCoreOutputs(outputs=group, timestamp=outputs.timestamp, scheduler_stats=stats)
+                self.outputs[client].send_multipart([OUTPUTS, encode(message)], copy=False)
 
     def _send_idle_stats(self) -> None:
         """After the last step or an abort, report the idle counts once."""
@@ -122,39 +163,50 @@ def _raise_system_exit(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run_engine_core(engine_args: EngineArgs, addresses: EngineCoreAddresses, parent_pid: int) -> None:
-    """Process entry point: load the model, say READY, serve until SHUTDOWN."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [engine] %(message)s")
+def run_engine_core(engine_args: EngineArgs, addresses: EngineCoreAddresses, parent_pid: int, placement=None) -> None:
+    """Process entry point: load the model, say READY, serve until SHUTDOWN. ``placement``: this data-parallel
+    replica's devices or CPU share (runtime.engine.dp_placement), applied before anything starts a device."""
+    name = "engine" if placement is None else f"engine dp{placement.rank}"
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s [{name}] %(message)s")
+    if placement is not None:
+        placement.apply()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when to stop
     signal.signal(signal.SIGTERM, _raise_system_exit)
     ctx = zmq.Context()
-    output = ctx.socket(zmq.PUSH)
-    output.setsockopt(zmq.SNDHWM, 0)
-    output.connect(addresses.output)
+    outputs = []
+    for address in addresses.outputs:
+        output = ctx.socket(zmq.PUSH)
+        output.setsockopt(zmq.SNDHWM, 0)
+        output.connect(address)
+        outputs.append(output)
     input_socket = ctx.socket(zmq.PULL)
     input_socket.setsockopt(zmq.RCVHWM, 0)
-    input_socket.connect(addresses.input)
+    for address in addresses.inputs:
+        input_socket.connect(address)
     core = None
     exit_code = 0
     try:
-        core = _start_core(engine_args, output)
-        EngineCoreProc(core, input_socket, output, parent_pid).run()
+        core = _start_core(engine_args, outputs)
+        EngineCoreProc(core, input_socket, outputs, parent_pid).run()
     except SystemExit as exc:
         exit_code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the API process
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the API processes
         traceback.print_exc()
-        output.send_multipart([FATAL, encode(f"{type(exc).__name__}: {exc}")])
+        for output in outputs:
+            output.send_multipart([FATAL, encode(f"{type(exc).__name__}: {exc}")])
         exit_code = 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a terminate while cleaning up ends the process quietly
         if core is not None:
             core.shutdown()
-        output.close(linger=2000)
+        for output in outputs:
+            output.close(linger=2000)
         input_socket.close(linger=0)
         ctx.term()
     sys.exit(exit_code)
 
 
-def _start_core(engine_args: EngineArgs, output: zmq.Socket):
+def _start_core(engine_args: EngineArgs, outputs: list[zmq.Socket]):
     from runtime.engine.core import EngineCore
 
     config = engine_args.create_engine_config()
@@ -164,6 +216,7 @@ def _start_core(engine_args: EngineArgs, output: zmq.Socket):
         "num_blocks": int(core.num_blocks),
         "max_model_len": int(config.model_config.max_model_len),
     }
-    output.send_multipart([READY, encode(ready)])
+    for output in outputs:
+        output.send_multipart([READY, encode(ready)])
     logger.info("engine core ready: %s", ready)
     return core

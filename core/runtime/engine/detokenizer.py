@@ -201,6 +201,20 @@ class IncrementalDetokenizer(BaseDetokenizer):
         self._ids = self._initial_context(prompt_token_ids)  # context tokens, then output tokens
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._predecoded: tuple[int, str, str] | None = None  # (number of ids, prefix text, full text) of the next token
+
+    @property
+    def can_batch_decode(self) -> bool:
+        """Whether ``decode_windows`` applies: one plain ``decode`` per window (not split at special tokens)."""
+        return not self._split_special_tokens
+
+    def decode_windows(self, token_id: int) -> tuple[list[int], list[int]]:
+        """The two id windows ``_decode_next(token_id)`` decodes; ``set_predecoded`` hands in their texts."""
+        return self._ids[self._prefix_offset : self._read_offset], self._ids[self._prefix_offset :] + [token_id]
+
+    def set_predecoded(self, prefix_text: str, full_text: str) -> None:
+        """The texts of ``decode_windows``' windows, decoded with others of the same step in one batch."""
+        self._predecoded = (len(self._ids) + 1, prefix_text, full_text)
 
     def _initial_context(self, prompt_token_ids: list[int]) -> list[int]:
         if self._split_special_tokens:
@@ -213,8 +227,12 @@ class IncrementalDetokenizer(BaseDetokenizer):
 
     def _decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
+        predecoded, self._predecoded = self._predecoded, None
+        if predecoded is not None and predecoded[0] == len(self._ids):
+            _, prefix_text, full_text = predecoded
+        else:
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full_text = self._decode(self._ids[self._prefix_offset :])
         if (
             len(full_text) <= len(prefix_text)
             or full_text.endswith(_REPLACEMENT_CHAR)
@@ -263,6 +281,16 @@ class IncrementalDetokenizer(BaseDetokenizer):
         if run:
             pieces.append(self.tokenizer.decode(run))
         return " ".join(pieces)
+
+
+def batch_decoder(tokenizer):
+    """``decode(list of id lists, skip_special_tokens) -> texts`` in one call into a fast tokenizer's Rust
+    ``decode_batch`` where that gives what ``tokenizer.decode`` does (no Python-side clean-up); else one
+    ``tokenizer.decode`` per list."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if hasattr(backend, "decode_batch") and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda seqs, skip: backend.decode_batch(seqs, skip_special_tokens=skip)
+    return lambda seqs, skip: [tokenizer.decode(ids, skip_special_tokens=skip) for ids in seqs]
 
 
 def make_detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> BaseDetokenizer:

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from typing import Any
 
 from runtime.config import ModelConfig
-from runtime.engine.messages import EngineCoreRequest
+from runtime.messages import EngineCoreRequest
 from runtime.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any] | list[int]
 
 
+NO_GUIDED_BACKEND = (
+    "structured output needs a guided decoding backend and none is installed; install "
+    "runtime-plugin-outlines (pip install -e plugins/outlines), or pick an installed one with --guided-decoding-backend"
+)
+
+
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer):
+    def __init__(self, model_config: ModelConfig, tokenizer, guided_backend: str | None = None):
         self.model_config = model_config
         self.tokenizer = tokenizer
+        self.guided_backend = guided_backend  # the engine's guided decoding backend, None when there is none
 
     def tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
         """Token ids and text of a prompt: a string, {"prompt": ...} or {"prompt_token_ids": [...]}."""
@@ -34,7 +43,45 @@ class InputProcessor:
             raise ValueError("text prompts need a tokenizer; with skip_tokenizer_init=True pass prompt_token_ids")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return self.tokenizer.encode(prompt), prompt
+        return self.encode(prompt), prompt
+
+    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """Token ids of ``text``; ValueError naming ``field`` for a text too long to fit or not valid Unicode."""
+        self.check_text(text, field)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def check_text(self, text: str, field: str = "prompt") -> None:
+        """ValueError if ``text`` cannot fit in the context (by its length alone) or has unpaired surrogates.
+
+        Costs O(len(text)) at most, so it runs before tokenizing, which costs microseconds per character.
+        """
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise ValueError(
+                f"{field} has {len(text)} characters; no text of more than {limit} characters fits in "
+                f"max_model_len={self.model_config.max_model_len} tokens (no token of this tokenizer "
+                f"spans more than {limit // self.model_config.max_model_len} bytes)"
+            )
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"{field} is not valid Unicode: {exc.reason} at character {exc.start}") from None
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text can have and still be at most max_model_len tokens (None: unknown).
+
+        No token spans more bytes of text than the UTF-8 length of its vocabulary entry (byte-level
+        BPE spells each byte as one character, SentencePiece pieces are no shorter than the text they
+        stand for), and a character is at least one byte. Tokenizers that delete characters while
+        normalizing are not accounted for.
+        """
+        get_vocab = getattr(self.tokenizer, "get_vocab", None)
+        if get_vocab is None:
+            return None
+        longest = max((len(piece.encode("utf-8", "surrogatepass")) for piece in get_vocab()), default=0)
+        return self.model_config.max_model_len * max(longest, 1)
 
     @staticmethod
     def _check_ids(ids) -> list[int]:
@@ -72,13 +119,18 @@ class InputProcessor:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
+        if params.structured_outputs is not None:
+            if self.guided_backend is None:
+                raise ValueError(NO_GUIDED_BACKEND)
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the tokenizer; it is disabled by skip_tokenizer_init=True")
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> tuple[EngineCoreRequest, str | None]:
         prompt_token_ids, prompt_text = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
-        params = params.clone()
+        params = with_prompt_cache_salt(params.clone(), prompt)
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -89,3 +141,15 @@ class InputProcessor:
             eos_token_id=tokenizer_eos,
         )
         return request, prompt_text
+
+
+def with_prompt_cache_salt(params: SamplingParams, prompt: PromptType) -> SamplingParams:
+    """``params`` with the ``cache_salt`` of a prompt dict (vLLM's place for it), validated."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return params
+    salt = prompt["cache_salt"]
+    if params.cache_salt is not None and params.cache_salt != salt:
+        raise ValueError(
+            f"cache_salt differs between the prompt dict ({salt!r}) and SamplingParams ({params.cache_salt!r})"
+        )
+    return dataclasses.replace(params, cache_salt=salt)

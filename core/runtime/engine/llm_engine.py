@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 
-from runtime.config import EngineArgs, EngineConfig
+from runtime.config import EngineConfig
+from runtime.engine_args import EngineArgs
 from runtime.engine.core import EngineCore
 from runtime.engine.input_processor import InputProcessor, PromptType
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.parent_request import ParentRequest, fan_out
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
+from runtime.stat_logger import StatLogger
 
 
 def load_tokenizer(config: EngineConfig):
@@ -22,10 +24,14 @@ def load_tokenizer(config: EngineConfig):
 
 
 class LLMEngine:
+    stat_logger: StatLogger | None = None  # set to log throughput and scheduler stats periodically
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = load_tokenizer(config)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend")
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
         self._ids = itertools.count()
@@ -44,17 +50,27 @@ class LLMEngine:
         for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
+        if self.stat_logger is not None:
+            self.stat_logger.record_prompt(len(request.prompt_token_ids))
 
     def abort_request(self, request_ids) -> None:
         ids = self.output_processor.abort_requests(list(request_ids))
         self.engine_core.abort_requests(ids if ids is not None else request_ids)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; raises ValueError when the core failed a request (a grammar that does not compile)."""
         outputs = self.engine_core.step()
+        if outputs.failed:
+            self.output_processor.abort_requests(list(outputs.failed))
+            request_id, message = next(iter(outputs.failed.items()))
+            raise ValueError(f"request {request_id}: {message}")
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         self.last_stats = outputs.scheduler_stats
+        if self.stat_logger is not None:
+            self.stat_logger.record(outputs)
+            self.stat_logger.maybe_log()
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:

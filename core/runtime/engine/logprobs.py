@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runtime.engine.detokenizer import decode_token
-from runtime.engine.messages import LogprobsLists
+from runtime.messages import LogprobsLists
 from runtime.outputs import Logprob
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.engine.detokenizer import IncrementalDetokenizer, batch_decoder
 from runtime.engine.logprobs import TokenTexts
-from runtime.engine.messages import EngineCoreOutput, EngineCoreRequest
+from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from runtime.engine.parent_request import ParentRequest
 from runtime.engine.request_state import RequestState
 from runtime.outputs import RequestOutput
@@ -32,14 +33,20 @@ class ProcessedOutputs:
 class OutputProcessor:
     """Keeps the state of every unfinished engine request and turns outputs into RequestOutputs.
 
-    ``tokenizer`` is None with ``skip_tokenizer_init``: texts stay "".
+    ``tokenizer`` is None with ``skip_tokenizer_init``: texts stay "". A streamed (DELTA)
+    request sends an output once ``stream_interval`` new tokens are in (the first and
+    the last at once), vLLM's ``--stream-interval``.
     """
 
-    def __init__(self, tokenizer=None):
+    def __init__(self, tokenizer=None, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
         self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
+        self._batch_decode = batch_decoder(tokenizer) if tokenizer is not None else None
 
     def add_request(
         self,
@@ -49,15 +56,31 @@ class OutputProcessor:
         index: int = 0,
     ) -> None:
         """Track ``request``; a child of an ``n > 1`` request names its ``parent`` and ``index``."""
-        request_id = request.request_id
-        if request_id in self.request_states:
-            raise ValueError(f"request id {request_id!r} is already running; request ids must be unique")
         if parent is not None and not 0 <= index < parent.n:
             raise ValueError(f"child index {index} out of range for parent {parent.request_id!r} with n={parent.n}")
-        state = RequestState(request, prompt, self.tokenizer, self._token_texts, parent, index)
-        self.request_states[request_id] = state
-        if parent is not None:
-            self.parent_requests[parent.request_id] = parent
+        self.add_states(self.new_states([request], prompt, parent, index))
+
+    def new_states(
+        self, requests: list[EngineCoreRequest], prompt: str | None, parent: ParentRequest | None = None, first_index: int = 0
+    ) -> list[RequestState]:
+        """The states of one request's engine requests (its n children when ``parent``), not yet tracked.
+
+        Reads only the tokenizer, so the server builds them in a worker thread; ``add_states`` tracks them.
+        """
+        return [
+            RequestState(request, prompt, self.tokenizer, self._token_texts, parent, index, self.stream_interval)
+            for index, request in enumerate(requests, first_index)
+        ]
+
+    def add_states(self, states: list[RequestState]) -> None:
+        """Track ``states``; ValueError, tracking none of them, if an id is already running."""
+        running = next((s.request_id for s in states if s.request_id in self.request_states), None)
+        if running is not None:
+            raise ValueError(f"request id {running!r} is already running; request ids must be unique")
+        for state in states:
+            self.request_states[state.request_id] = state
+            if state.parent is not None:
+                self.parent_requests[state.parent.request_id] = state.parent
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """Update every request named in ``outputs`` and return this step's RequestOutputs.
@@ -65,6 +88,8 @@ class OutputProcessor:
         Outputs for requests not tracked (finished or aborted before) are ignored.
         """
         processed = ProcessedOutputs()
+        if self._batch_decode is not None and len(outputs) > 1:
+            self._predecode(outputs)
         # A parent's RequestOutput is built once all its children of this step are in.
         slots: list[RequestOutput | tuple[ParentRequest, str | None]] = []
         parents_seen: set[str] = set()
@@ -95,6 +120,23 @@ class OutputProcessor:
             if parent_output is not None:
                 processed.request_outputs.append(parent_output)
         return processed
+
+    def _predecode(self, outputs: list[EngineCoreOutput]) -> None:
+        """Decode the text windows of this step's new tokens (one per request) in one batch call per
+        ``skip_special_tokens`` value, instead of two ``tokenizer.decode`` calls per request."""
+        groups: dict[bool, list[tuple[IncrementalDetokenizer, tuple[list[int], list[int]]]]] = {}
+        for output in outputs:
+            if len(output.new_token_ids) != 1 or output.finish_reason == FinishReason.STOP:
+                continue  # several tokens (spec decode) or maybe a stop token left out of the text: one by one
+            state = self.request_states.get(output.request_id)
+            detokenizer = state.detokenizer if state is not None else None
+            if isinstance(detokenizer, IncrementalDetokenizer) and detokenizer.can_batch_decode:
+                windows = detokenizer.decode_windows(output.new_token_ids[0])
+                groups.setdefault(detokenizer.skip_special_tokens, []).append((detokenizer, windows))
+        for skip_special_tokens, items in groups.items():
+            texts = self._batch_decode([window for _, windows in items for window in windows], skip_special_tokens)
+            for i, (detokenizer, _) in enumerate(items):
+                detokenizer.set_predecoded(texts[2 * i], texts[2 * i + 1])
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Stop tracking ``request_ids`` (user or child ids); return the engine ids to abort.

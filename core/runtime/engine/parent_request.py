@@ -7,9 +7,11 @@ children (ids ``"{i}_{request_id}"``) and folds their completions into one
 
 from __future__ import annotations
 
+import copy
+
 import msgspec
 
-from runtime.engine.messages import EngineCoreRequest
+from runtime.messages import EngineCoreRequest
 from runtime.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from runtime.sampling_params import RequestOutputKind
 
@@ -22,14 +24,16 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     """The engine requests for ``request``: itself when ``n == 1``, else n children.
 
     Each child has a copy of the sampling params with ``n=1`` and, when a seed
-    is set, ``seed + i``, so the n samples differ but stay reproducible.
+    is set, ``seed + i``, so the n samples differ but stay reproducible. The
+    copies are shallow (O(1) each, not a deep copy per child): the children
+    share the parent's stop lists and logit bias, which nothing mutates.
     """
     params = request.sampling_params
     if params.n == 1:
         return [request]
     children = []
     for index in range(params.n):
-        child_params = params.clone()
+        child_params = copy.copy(params)
         child_params.n = 1
         if params.seed is not None:
             child_params.seed = params.seed + index

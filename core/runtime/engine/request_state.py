@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from runtime.engine.detokenizer import BaseDetokenizer, NoopDetokenizer, make_detokenizer
 from runtime.engine.logprobs import TokenTexts, convert_logprobs
-from runtime.engine.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from runtime.engine.parent_request import ParentRequest
 from runtime.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from runtime.sampling_params import RequestOutputKind
@@ -21,6 +21,7 @@ class RequestState:
         token_texts: TokenTexts | None,
         parent: ParentRequest | None = None,
         index: int = 0,
+        stream_interval: int = 1,
     ):
         params = request.sampling_params
         self.request_id = request.request_id
@@ -35,6 +36,8 @@ class RequestState:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: PromptLogprobs | None = None
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None
+        self.stream_interval = stream_interval  # a DELTA output waits for this many new tokens
         self._num_sent_tokens = 0
         self._prompt_logprobs_sent = False
         # FINAL_ONLY without text: until the last step, an output only adds token ids.
@@ -64,11 +67,15 @@ class RequestState:
         """Take in one step's output; return ``(finish_reason, stop_reason, hit_stop_string)``."""
         if output.num_cached_tokens:
             self.num_cached_tokens = output.num_cached_tokens
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         if output.new_prompt_logprobs is not None:
             self._add_prompt_logprobs(output)
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         num_before = self.detokenizer.num_output_tokens
-        stop_str = self.detokenizer.update(output.new_token_ids, finish_reason == FinishReason.STOP)
+        # A request its grammar completed ends on a text token; EOS and stop ids stay out of the text.
+        stop_terminated = finish_reason == FinishReason.STOP and not output.ended_by_grammar
+        stop_str = self.detokenizer.update(output.new_token_ids, stop_terminated)
         if stop_str is None and finish_reason is not None:
             stop_str = self.detokenizer.flush()
         if output.new_logprobs is not None and self.logprobs is not None:
@@ -97,8 +104,10 @@ class RequestState:
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = self.output_kind == RequestOutputKind.DELTA
-        text = self.detokenizer.get_next_output_text(finished, delta)
         token_ids = self.detokenizer.output_token_ids
+        if delta and not finished and self._waits_for_interval(len(token_ids)):
+            return None
+        text = self.detokenizer.get_next_output_text(finished, delta)
         logprobs = self.logprobs
         if delta:
             start, self._num_sent_tokens = self._num_sent_tokens, len(token_ids)
@@ -117,6 +126,11 @@ class RequestState:
             stop_reason=stop_reason if finished else None,
         )
 
+    def _waits_for_interval(self, num_tokens: int) -> bool:
+        """Whether a streamed output holds back: fewer than ``stream_interval`` new tokens since the last
+        one sent (the first token goes at once, for the time to first token)."""
+        return self.stream_interval > 1 and 0 < self._num_sent_tokens > num_tokens - self.stream_interval
+
     def make_request_output(self, completion: CompletionOutput) -> RequestOutput:
         """The output of a request without a parent."""
         return RequestOutput(
@@ -127,6 +141,7 @@ class RequestState:
             outputs=[completion],
             finished=completion.finished(),
             num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _take_prompt_logprobs(self) -> PromptLogprobs | None:

@@ -6,26 +6,44 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from runtime.config import EngineArgs
+from runtime.engine_args import EngineArgs
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
+from runtime.entrypoints.logprobs_limit import check_max_logprobs
+from runtime.model_loader.default_model import default_model_path
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import RequestOutputKind, SamplingParams
+from runtime.stat_logger import StatLogger, log_stats_interval, show_stats_on_stderr
 
 
 class LLM:
     """Generate completions for batches of prompts with one in-process engine.
 
+    ``model`` defaults to the embedded SmolLM2-135M-Instruct GGUF (as ``runtime serve``).
     Keyword arguments are engine arguments with vLLM's names (``max_num_seqs``,
-    ``enable_prefix_caching``, ``dtype`` ...).
+    ``enable_prefix_caching``, ``dtype``, ``trust_remote_code``, ``tokenizer_mode`` ...);
+    as in vLLM, ``disable_log_stats`` defaults to True here.
     """
 
-    def __init__(self, model: str, **kwargs):
-        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+    def __init__(self, model: str | None = None, **kwargs):
+        kwargs.setdefault("disable_log_stats", True)
+        self.engine_args = EngineArgs.from_kwargs(model=model or default_model_path(), **kwargs)
+        if self.engine_args.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self.engine_args.data_parallel_size}: the offline LLM runs one engine in this "
+                "process; serve replicas with `runtime serve --data-parallel-size N` (-dp N), or use 1 here"
+            )
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        if not self.engine_args.disable_log_stats:
+            show_stats_on_stderr()
+            self.llm_engine.stat_logger = StatLogger(log_stats_interval())
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation config defaults (``generation_config``), used when none are given."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling_params)
 
     def generate(
         self,
@@ -38,10 +56,13 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
+        max_logprobs = self.llm_engine.config.model_config.max_logprobs
+        for sp in params:
+            check_max_logprobs(sp, max_logprobs)
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
         # Offline callers only read finished outputs: skip building the partial ones.

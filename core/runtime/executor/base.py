@@ -1,16 +1,25 @@
-"""The executor interface: drives the workers of one engine."""
+"""The executor contract: drives the workers of one engine.
+
+Executors are registered through ``register_executors`` as ``factory(config)``; a class
+whose constructor takes the :class:`runtime.config.EngineConfig` is such a factory.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from runtime.config import EngineConfig
-from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.messages import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.pending import PendingOutput
 
 
+@runtime_checkable
 class Executor(Protocol):
-    def __init__(self, config: EngineConfig): ...
+    """Runs the steps the scheduler plans on one or more workers.
+
+    ``execute_model_async`` is optional (read with ``getattr``): without it the engine
+    runs steps one after the other, and ``--async-scheduling`` is turned off with a warning.
+    """
 
     def initialize(self) -> int:
         """Load the model on every worker, size and allocate the KV cache; return the number of blocks."""
@@ -25,11 +34,21 @@ class Executor(Protocol):
         scheduling); the workers take the newest tokens from the device then.
         """
 
-    def shutdown(self) -> None: ...
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict | None = None, timeout_s: float | None = None
+    ) -> list:
+        """Call ``worker.method(*args, **kwargs)`` on every worker; their results in rank order.
+
+        A worker that fails or dies raises an error naming its rank; ``timeout_s`` bounds the
+        wait (default: none).
+        """
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their devices; called once, also after a failure."""
 
 
 def create_executor(config: EngineConfig) -> Executor:
+    """The executor ``config.parallel_config.executor`` names, built by its registered factory."""
     from runtime.plugins import get_registry
 
-    executor_cls = get_registry("executor").get(config.parallel_config.executor)()
-    return executor_cls(config)
+    return get_registry("executor").create(config.parallel_config.executor, config)

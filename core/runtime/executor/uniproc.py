@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from runtime.config import EngineConfig
-from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.messages import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.pending import PendingOutput
 from runtime.worker.worker import Worker
 
@@ -25,5 +25,8 @@ class UniProcExecutor:
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> PendingOutput:
         return self.worker.launch(scheduler_output)
 
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None, timeout_s: float | None = None) -> list:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
     def shutdown(self) -> None:
-        pass
+        self.worker.shutdown()

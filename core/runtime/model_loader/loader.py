@@ -12,8 +12,11 @@ from torch import nn
 
 from runtime.config import LOAD_FORMATS
 from runtime.model_loader.resolve import ResolvedModel
+from runtime.models.quantize import process_quantized, quantize_linears, quantized_layers
+from runtime.quantization import QuantConfig, detect_quant_method, hf_quantization_config
 
 DUMMY_STD = 0.02
+EIGHT_BIT_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def load_model(
@@ -23,11 +26,18 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
+    quant_config: QuantConfig | None = None,
 ) -> nn.Module:
-    """The model of ``resolved`` on ``device`` in ``dtype``, in eval mode without grads."""
+    """The model of ``resolved`` on ``device`` in ``dtype``, in eval mode without grads.
+
+    ``quant_config`` (default: ``resolved.quant_config``, which the engine sets from
+    ``--quantization`` or the checkpoint) builds the linear layers through a quant method.
+    """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
-    model = build_empty_model(resolved, dtype, torch.device(device))
+    quant_config = quant_config if quant_config is not None else resolved.quant_config
+    _check_quantized_checkpoint(resolved, quant_config)
+    model = build_empty_model(resolved, dtype, torch.device(device), quant_config)
     with torch.no_grad():
         if load_format == "dummy":
             init_dummy_weights(model, seed)
@@ -35,19 +45,36 @@ def load_model(
             fmt = _weights_format(resolved, load_format)
             loaded = model.load_weights(_weights(resolved, fmt))
             _check_all_loaded(model, loaded, resolved.gguf_file or resolved.path)
+        process_quantized(model)
     model.eval()
     model.requires_grad_(False)
     return model
 
 
-def build_empty_model(resolved: ResolvedModel, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The registered class for the architecture, with uninitialized weights on ``device``."""
+def build_empty_model(
+    resolved: ResolvedModel, dtype: torch.dtype, device: torch.device, quant_config: QuantConfig | None = None
+) -> nn.Module:
+    """The registered class for the architecture, with uninitialized weights on ``device``.
+
+    Linear layers are built through ``quant_config`` (after the cast to ``dtype``, which
+    would otherwise widen 8-bit weights).
+    """
     from runtime.plugins import get_registry
 
-    model_cls = get_registry("model").get(resolved.architecture)()
+    model_cls = get_registry("model").create(resolved.architecture)
     with torch.device("meta"):
-        model = model_cls(resolved.hf_config)
-    return model.to(dtype=dtype).to_empty(device=device)
+        model = model_cls(resolved.hf_config).to(dtype=dtype)
+        quantize_linears(model, quant_config, dtype)
+    return model.to_empty(device=device)
+
+
+def _check_quantized_checkpoint(resolved: ResolvedModel, quant_config: QuantConfig | None) -> None:
+    declared = detect_quant_method(hf_quantization_config(resolved.hf_config))
+    if declared is not None and quant_config is None:
+        raise ValueError(
+            f"checkpoint {resolved.path!r} is quantized (quant_method {declared!r}) but no quant config was given; "
+            "load it through runtime.LLM, or pass quant_config=runtime.quantization.build_quant_config(...)"
+        )
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -57,8 +84,18 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if hasattr(module, "reset_parameters") and "Norm" in type(module).__name__:
             module.reset_parameters()
             continue
-        for param in module.parameters(recurse=False):
-            if param.dim() >= 2:
+        for name, param in module.named_parameters(recurse=False):
+            if param.dtype in EIGHT_BIT_DTYPES:  # a pre-quantized layout: unit scales, small codes
+                values = torch.empty(param.shape, device=param.device).normal_(0.0, DUMMY_STD, generator=generator)
+                param.copy_(values if param.dtype.is_floating_point else (values * 64).round())
+            elif not param.dtype.is_floating_point and param.dtype not in EIGHT_BIT_DTYPES:
+                if "g_idx" not in name:  # packed sub-byte codes and zero points: any bits (g_idx stays valid)
+                    info = torch.iinfo(param.dtype)
+                    param.copy_(torch.randint(info.min, info.max, param.shape, generator=generator, device=param.device,
+                                              dtype=torch.int64).to(param.dtype))
+            elif "scale" in name and getattr(module, "quant_method", None) is not None:
+                param.fill_(1 / 64 if getattr(module, "weight", None) is not None and module.weight.dtype == torch.int8 else 1.0)
+            elif param.dim() >= 2:
                 param.normal_(0.0, DUMMY_STD, generator=generator)
             else:
                 param.zero_()
@@ -87,7 +124,14 @@ def _weights(resolved: ResolvedModel, fmt: str):
 
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
-    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    params = dict(model.named_parameters())
+    missing = sorted(name for name in params if name not in loaded)
     if missing:
+        quantized = tuple(f"{path}." for path in quantized_layers(model))
+        # A quantized layer's tensors are named with their expected layout (dtype, shape).
+        missing = [
+            f"{n} ({str(params[n].dtype).removeprefix('torch.')} {list(params[n].shape)})" if n.startswith(quantized) else n
+            for n in missing
+        ]
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {source!r} lacks weights for {type(model).__name__}: {shown}")

@@ -26,21 +26,42 @@ class ResolvedModel:
     architecture: str  # a name registered through ``register_models``
     tokenizer_path: str  # folder or .gguf file the tokenizer is read from
     generation_config: Any = None  # transformers GenerationConfig when generation_config.json exists
+    trust_remote_code: bool = False  # let transformers run the folder's own config/tokenizer code (auto_map)
+    tokenizer_mode: str = "auto"  # "auto"/"hf": the fast tokenizer when there is one; "slow": the Python one
+    chat_template: str | None = None  # replaces the tokenizer's chat template when set
+    # runtime.quantization.QuantConfig the linear layers are built through (None: unquantized);
+    # set by the engine from --quantization or the checkpoint's quantization_config
+    quant_config: Any = None
 
 
-def resolve_model(model: str, tokenizer: str | None = None) -> ResolvedModel:
-    """Resolve ``model`` (a folder or a ``.gguf`` file) and an optional separate tokenizer."""
+def resolve_model(
+    model: str,
+    tokenizer: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+    tokenizer_mode: str = "auto",
+    chat_template: str | None = None,
+) -> ResolvedModel:
+    """Resolve ``model`` (a folder or a ``.gguf`` file) and an optional separate tokenizer.
+
+    ``trust_remote_code`` lets transformers import the Python files a folder's ``auto_map``
+    names (custom config and tokenizer classes); the model class itself is always one
+    registered through ``register_models``.
+    """
     path = _existing_path(model, "model")
     gguf_file = _find_gguf(path)
     folder = os.path.dirname(gguf_file) if gguf_file else path
-    hf_config = _gguf_config(gguf_file) if gguf_file else _folder_config(folder)
+    hf_config = _gguf_config(gguf_file) if gguf_file else _folder_config(folder, trust_remote_code)
     return ResolvedModel(
         path=folder,
         hf_config=hf_config,
         gguf_file=gguf_file,
         architecture=model_architecture(hf_config),
         tokenizer_path=_existing_path(tokenizer, "tokenizer") if tokenizer else (gguf_file or folder),
-        generation_config=_generation_config(folder),
+        generation_config=read_generation_config(folder),
+        trust_remote_code=trust_remote_code,
+        tokenizer_mode=tokenizer_mode,
+        chat_template=chat_template,
     )
 
 
@@ -68,11 +89,11 @@ def _find_gguf(path: str) -> str | None:
     raise ValueError(f"folder {path!r} has no config.json and no .gguf file; {SUPPORTED_SOURCES}")
 
 
-def _folder_config(folder: str):
+def _folder_config(folder: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError) as exc:
         raise ValueError(f"could not read {os.path.join(folder, 'config.json')}: {exc}") from exc
 
@@ -121,7 +142,8 @@ def model_architecture(hf_config) -> str:
     )
 
 
-def _generation_config(folder: str):
+def read_generation_config(folder: str):
+    """The transformers GenerationConfig of ``folder``, or None when it has no generation_config.json."""
     if not os.path.isfile(os.path.join(folder, "generation_config.json")):
         return None
     from transformers import GenerationConfig

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from runtime.models.layers import MLP, GemmaRMSNorm
+from runtime.models.linear import VocabParallelEmbedding
+from runtime.models.pipeline import is_last_stage, stage_input, stage_layers
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM, head_dim, pre_norm
 from runtime.models.rotary import RotaryEmbedding, Rotation, rope_parameters
 
@@ -68,9 +70,11 @@ class Gemma3Model(nn.Module):
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention=True (an encoder) is not supported")
         layer_types = gemma3_layer_types(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i, t) for i, t in enumerate(layer_types))
+        self.layers, self.held_layers = stage_layers(
+            len(layer_types), lambda i: Gemma3DecoderLayer(config, i, layer_types[i])
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         size, max_pos = head_dim(config), config.max_position_embeddings
         self.rotary_emb = nn.ModuleDict(
@@ -84,13 +88,18 @@ class Gemma3Model(nn.Module):
             self._scale_by_dtype[dtype] = torch.tensor(self.embed_scale, dtype=dtype).item()
         return self._scale_by_dtype[dtype]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        hidden = hidden * self._embed_scale(hidden.dtype)
+        return hidden * self._embed_scale(hidden.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        weight = self.norm.weight
+        hidden, residual = stage_input(self._embed, input_ids, weight.shape[0], weight.dtype)
         rotations = {t: emb.rotation(positions, hidden.dtype) for t, emb in self.rotary_emb.items()}
-        residual = None
-        for layer in self.layers:
+        for layer in self.held_layers:
             hidden, residual = layer(hidden, residual, rotations[layer.layer_type])
+        if not is_last_stage(hidden, residual):
+            return hidden  # sent on to the next stage
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

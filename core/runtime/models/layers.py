@@ -12,7 +12,10 @@ from torch import nn
 
 from runtime.attention.backend import AttentionLayerSpec
 from runtime.forward_context import get_forward_context
+from runtime.models.linear import Linear, MergedLinear, RowParallelLinear, one_row_linear
 from runtime.models.ops import lookup
+
+__all__ = ["Linear", "MergedLinear", "one_row_linear"]  # kept here for the layers that import them from this module
 
 
 class RMSNorm(nn.Module):
@@ -116,62 +119,17 @@ def act_and_mul(name: str) -> nn.Module:
     return ACTIVATIONS[name]()
 
 
-def one_row_linear(gemv):
-    """``F.linear``, with ``gemv`` (if given) for one-row inputs in 16-bit dtypes."""
-
-    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if gemv is not None and x.shape[0] == 1 and x.dtype != torch.float32:
-            return gemv(x, weight, bias)
-        return F.linear(x, weight, bias)
-
-    return linear
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` that uses the platform's one-row kernel (``gemv``) for batch-1 steps."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True):
-        super().__init__(in_features, out_features, bias=bias)
-        self._linear = one_row_linear(lookup("gemv"))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return self._linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several projections of the same input stored as one matrix, their rows stacked.
-
-    ``shard_sizes`` names each projection (``{"q": ..., "k": ..., "v": ...}``) in row
-    order; checkpoints keep them apart, and :meth:`load_shard` copies one in place.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
-        self.shard_offsets: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for shard, size in shard_sizes.items():
-            self.shard_offsets[shard] = (offset, size)
-            offset += size
-
-    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
-        param = getattr(self, param_name)
-        offset, size = self.shard_offsets[shard]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint shard {shard!r} of {param_name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-
-
 class MLP(nn.Module):
-    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` with gate and up fused."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` with gate and up fused.
+
+    With tensor parallelism each rank computes a slice of the intermediate features
+    (gate/up column-parallel) and ``down`` sums the ranks' partial outputs.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
@@ -201,11 +159,16 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
         )
+        self.cache_index = layer_idx  # its KV cache among the step's (a pipeline stage holds some layers)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads, head_size]; k, v: [T, num_kv_heads, head_size]
+        if torch.compiler.is_compiling():  # the backend runs eagerly inside compiled code (runtime.models.attention_op)
+            from runtime.models.attention_op import compiled_attention
+
+            return compiled_attention(self.spec, self.cache_index, q, k, v)
         ctx = get_forward_context()
-        kv_cache = ctx.kv_caches[self.spec.layer_idx]
+        kv_cache = ctx.kv_caches[self.cache_index]
         return ctx.backend.forward(self.spec, q, k, v, kv_cache, ctx.metadata)  # [T, num_heads, head_size]
 
     def extra_repr(self) -> str:

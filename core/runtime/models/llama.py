@@ -18,8 +18,19 @@ import torch
 from torch import nn
 
 from runtime.attention.backend import AttentionLayerSpec
-from runtime.models.layers import MLP, Attention, Linear, MergedLinear, RMSNorm, one_row_linear
+from runtime.distributed import tp_all_gather, tp_size
+from runtime.models.layers import MLP, Attention, RMSNorm
+from runtime.models.linear import (
+    MergedLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    divide,
+    kv_head_replicas,
+    one_row_linear,
+)
 from runtime.models.ops import lookup
+from runtime.models.pipeline import MissingLayer, is_last_stage, stage_input, stage_layers
 from runtime.models.rotary import RotaryEmbedding, Rotation, rope_parameters
 from runtime.models.weights import load_hf_weights
 
@@ -61,7 +72,11 @@ def pre_norm(
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with fused q/k/v, optional per-head q/k norm (Qwen3, Gemma 3) and RoPE."""
+    """Self-attention with fused q/k/v, optional per-head q/k norm (Qwen3, Gemma 3) and RoPE.
+
+    With tensor parallelism each rank runs ``1/tp`` of the query heads and their KV heads
+    (a KV head is held by several ranks when there are fewer KV heads than ranks).
+    """
 
     def __init__(
         self,
@@ -76,13 +91,18 @@ class LlamaAttention(nn.Module):
         logits_soft_cap: float | None = None,
     ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp = tp_size()
+        total_kv_heads = config.num_key_value_heads
+        replicas = kv_head_replicas(total_kv_heads, tp)
+        self.num_heads = divide(config.num_attention_heads, tp, "the number of attention heads")
+        self.num_kv_heads = total_kv_heads * replicas // tp  # this rank's
         self.head_size = head_dim(config)
-        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        q_size, kv_size = config.num_attention_heads * self.head_size, total_kv_heads * self.head_size
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, qkv_bias, replicas={"k": replicas, "v": replicas}
+        )
+        self.split_sizes = self.qkv_proj.output_sizes
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=o_bias)
         self.q_norm = qk_norm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.k_norm = qk_norm(self.head_size, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(
@@ -139,17 +159,22 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config, decoder_layer_cls: type[LlamaDecoderLayer]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # this pipeline stage's layers (all of them without pipeline parallelism)
+        self.layers, self.held_layers = stage_layers(
+            config.num_hidden_layers, lambda i: decoder_layer_cls(config, i)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config), config.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        dtype = self.norm.weight.dtype
+        hidden, residual = stage_input(self.embed_tokens, input_ids, self.norm.weight.shape[0], dtype)  # [T, hidden]
         rotation = self.rotary_emb.rotation(positions, hidden.dtype)
-        residual = None
-        for layer in self.layers:
+        for layer in self.held_layers:
             hidden, residual = layer(hidden, residual, rotation)
+        if not is_last_stage(hidden, residual):
+            return hidden  # sent on to the next stage
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -167,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.build_model(config)
         self.lm_head = None
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self._linear = one_row_linear(lookup("gemv"))
+        self.tp_size = tp_size()
 
     def build_model(self, config) -> nn.Module:
         return LlamaModel(config, self.decoder_layer_cls)
@@ -177,14 +203,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self._linear(hidden, weight).float()  # [N, vocab]
+        if self.lm_head is not None and self.lm_head.quant_method is not None:
+            logits = self.lm_head(hidden)
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = self._linear(hidden, weight)  # [N, vocab / tp] (this rank's slice, padded)
+        if self.tp_size > 1:
+            logits = tp_all_gather(logits)[:, : self.config.vocab_size]
+        return logits.float()  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_hf_weights(self, weights, self.stacked_params, self.tie_word_embeddings)
 
     def attention_specs(self) -> list[AttentionLayerSpec]:
-        return [layer.self_attn.attn.spec for layer in self.model.layers]
+        return [layer.self_attn.attn.spec for layer in self.model.layers if not isinstance(layer, MissingLayer)]
 
 
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "pre_norm"]

@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from runtime.models.layers import MergedLinear
+from runtime.models.layers import Linear, MergedLinear
+from runtime.models.pipeline import missing_layer_prefixes
+from runtime.models.quantize import quantized_layers
 
 # Tensors some checkpoints carry that hold no learned weights.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -32,12 +34,18 @@ def load_hf_weights(
     matches no parameter, or has the wrong shape, is a ``ValueError``.
     """
     params = dict(model.named_parameters())
+    quantized = quantized_layers(model)
+    other_stages = missing_layer_prefixes(model)  # layers that other pipeline stages hold
     loaded: set[str] = set()
     shards_seen: dict[str, set[str]] = {}
     for name, tensor in weights:
         if name.endswith(IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
             continue
+        if other_stages and name.startswith(other_stages):
+            continue
         fused = _fused_target(name, stacked)
+        if _load_quantized(quantized, name, fused, tensor, shards_seen, loaded):
+            continue
         if fused is None:
             _copy_param(model, params, name, tensor)
             loaded.add(name)
@@ -53,6 +61,38 @@ def load_hf_weights(
     return loaded
 
 
+def _load_quantized(
+    quantized: Mapping[str, Linear],
+    name: str,
+    fused: tuple[str, str, str] | None,
+    tensor: torch.Tensor,
+    shards_seen: dict[str, set[str]],
+    loaded: set[str],
+) -> bool:
+    """Hand a tensor of a quantized layer (all but its bias) to the layer's linear method.
+
+    Returns False when ``name`` belongs to no quantized layer. A fused layer's tensor counts
+    as loaded once every projection delivered it.
+    """
+    module_path, _, param_name = name.rpartition(".")
+    shard = None
+    if fused is not None:
+        module_path, shard, param_name = fused
+    layer = quantized.get(module_path)
+    if layer is None or param_name == "bias":
+        return False
+    shard_names = list(layer.shard_offsets) if isinstance(layer, MergedLinear) else [None]
+    try:
+        layer.quant_method.load(layer, param_name, tensor, None if shard is None else shard_names.index(shard))
+    except ValueError as exc:  # the method gives the expected layout; name the tensor
+        raise ValueError(f"checkpoint tensor {name!r} {exc}") from None
+    target = f"{module_path}.{param_name}"
+    shards_seen.setdefault(target, set()).add(shard)
+    if shards_seen[target] == set(shard_names):
+        loaded.add(target)
+    return True
+
+
 def _fused_target(name: str, stacked: Mapping[str, tuple[str, str]]) -> tuple[str, str, str] | None:
     """``(fused module path, shard, param name)`` for a name of a fused projection, else None."""
     module_path, _, param_name = name.rpartition(".")
@@ -64,14 +104,21 @@ def _fused_target(name: str, stacked: Mapping[str, tuple[str, str]]) -> tuple[st
 
 
 def _copy_param(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor in; a layer with ``load_param`` takes its rank's part of it."""
     param = params.get(name)
     if param is None:
         raise ValueError(
             f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__} "
             f"(is the checkpoint for another architecture?)"
         )
-    if param.shape != tensor.shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-        )
-    param.data.copy_(tensor)
+    module_path, _, param_name = name.rpartition(".")
+    load_param = getattr(model.get_submodule(module_path), "load_param", None)
+    if load_param is None:
+        if param.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        return
+    try:
+        load_param(param_name, tensor)
+    except ValueError as exc:  # the layer gives the expected (whole) shape; name the tensor
+        raise ValueError(f"checkpoint tensor {name!r} {exc}") from None

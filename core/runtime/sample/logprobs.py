@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.engine.messages import LogprobsLists
+from runtime.messages import LogprobsLists
 
 
 @dataclass(slots=True)

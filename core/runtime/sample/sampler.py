@@ -76,11 +76,11 @@ class Sampler(nn.Module):
             )
         return logits
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Greedy rows take the argmax, random rows draw. logits: [N, V] -> [N] int64."""
-        greedy = None if metadata.all_random else logits.argmax(dim=1)  # [N]
-        if metadata.all_greedy:
-            return greedy
+    def random_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from: temperature, top-k, top-p, min-p, then softmax.
+
+        logits: [N, V] float32 after :meth:`process_logits`; metadata: one row per logits row.
+        """
         assert metadata.temperature is not None
         logits = apply_temperature(logits, metadata.temperature)
         if self.top_k_top_p is not None and metadata.top_k is not None and metadata.top_k_bounds_top_p:
@@ -92,7 +92,14 @@ class Sampler(nn.Module):
                 logits = apply_top_p(logits, metadata.top_p)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
-        sampled = random_sample(logits.softmax(dim=1), metadata.generators)  # [N]
+        return logits.softmax(dim=1)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax, random rows draw. logits: [N, V] -> [N] int64."""
+        greedy = None if metadata.all_random else logits.argmax(dim=1)  # [N]
+        if metadata.all_greedy:
+            return greedy
+        sampled = random_sample(self.random_probs(logits, metadata), metadata.generators)  # [N]
         if greedy is None:
             return sampled
         return torch.where(metadata.temperature < MIN_TEMPERATURE, greedy, sampled)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from runtime.scheduler.block_hash import BlockHash
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash")
@@ -11,10 +13,11 @@ class KVCacheBlock:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None  # set once the block is full and cached
+        self.block_hash: BlockHash | None = None  # set once the block is full and cached
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        short_hash = self.block_hash.hex()[:12] if self.block_hash is not None else None
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={short_hash})"
 
 
 class BlockPool:
@@ -31,7 +34,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.cached: dict[BlockHash, KVCacheBlock] = {}  # block hash -> block
+        # Called as on_evict(block_id, block_hash) when a cached block is taken for reuse
+        # (a KV connector stores it to an offload tier first); None: nothing to tell.
+        self.on_evict = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,6 +55,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             taken.append(block)
@@ -73,10 +81,10 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def lookup(self, block_hash: int) -> KVCacheBlock | None:
+    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         if block.block_hash is not None:
             return
         block.block_hash = block_hash

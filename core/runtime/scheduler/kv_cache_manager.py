@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.scheduler.block_hash import first_block_extra_keys, hash_block
 from runtime.scheduler.block_pool import BlockPool, KVCacheBlock
 from runtime.scheduler.request import Request
-
-_ROOT_HASH = hash("runtime-prefix-cache-root")
-
-
-def hash_block(parent_hash: int | None, token_ids) -> int:
-    """Hash of a full block, chained on its parent so equal hashes mean equal prefixes."""
-    return hash((_ROOT_HASH if parent_hash is None else parent_hash, tuple(token_ids)))
 
 
 @dataclass(slots=True)
@@ -47,12 +41,18 @@ class KVCacheManager:
         return self.pool.usage()
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` over every full block of known tokens."""
+        """Extend ``request.block_hashes`` over every full block of known tokens.
+
+        Each block is hashed once, when it is full; the first carries the cache salt.
+        """
         hashes, bs = request.block_hashes, self.block_size
         tokens = request.all_token_ids
+        if not hashes and len(tokens) >= bs:
+            salt = first_block_extra_keys(request.sampling_params.cache_salt)
+            hashes.append(hash_block(None, tokens[:bs], salt))
         while (len(hashes) + 1) * bs <= len(tokens):
             start = len(hashes) * bs
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + bs]))
+            hashes.append(hash_block(hashes[-1], tokens[start : start + bs]))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request: (blocks, number of tokens they hold).

@@ -1,50 +1,49 @@
-"""What the scheduler hands the executor each step, and what comes back."""
+"""Per-request results of a step: the EngineCoreOutput record, and grammar completion."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
 
-from runtime.engine.messages import LogprobsLists
-from runtime.sampling_params import SamplingParams
+from runtime.messages import EngineCoreOutput, LogprobsLists, ModelRunnerOutput
+from runtime.scheduler.request import Request, RequestStatus
+from runtime.scheduler.stopping import join_logprobs
 
+logger = logging.getLogger(__name__)
 
-@dataclass(slots=True)
-class NewRequestData:
-    """A request the workers have not seen (or are seeing again after preemption)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # non-empty when resumed after preemption
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    num_computed_tokens: int
+_FINISHED = RequestStatus.FINISHED_STOPPED  # this and every status above it
 
 
-@dataclass(slots=True)
-class CachedRequestData:
-    """A request the workers already hold: only what changed."""
-
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
-    total_num_scheduled_tokens: int
-    finished_req_ids: set[str] = field(default_factory=set)  # finished or preempted since last step
-
-    @property
-    def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+def grammar_ends(request: Request, grammar, token: int) -> bool:
+    """Advance the grammar over a sampled token; finish the request once the grammar is complete."""
+    if not grammar.accept_tokens([token]):
+        # The bitmask allows only tokens the grammar accepts, so this is a backend bug: end the
+        # request rather than let it run unconstrained.
+        logger.error("request %s: the grammar rejected sampled token %d; finishing it", request.request_id, token)
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.grammar.ended = True
+        return True
+    return False
 
 
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    req_ids: list[str]  # requests that sampled a token this step, in batch order
-    sampled_token_ids: list[list[int]]  # per request (one token, or more with spec decode)
-    logprobs: LogprobsLists | None = None  # one row per entry of req_ids
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)  # this step's chunk
+def make_output(request: Request, new_tokens: list[int], runner_output: ModelRunnerOutput, row) -> EngineCoreOutput:
+    """The step's output record of ``request``; ``row`` is its first logprobs row (None: none)."""
+    logprobs = prompt_logprobs = None
+    if request.sampling_params.logprobs is not None and new_tokens and runner_output.logprobs is not None and row is not None:
+        lp = runner_output.logprobs
+        end = row + len(new_tokens)  # fewer than sampled when a stop ends the request mid-run
+        logprobs = LogprobsLists(lp.token_ids[row:end], lp.logprobs[row:end], lp.ranks[row:end])
+    if request.prompt_logprobs and request.num_computed_tokens >= request.num_prompt_tokens:
+        prompt_logprobs = join_logprobs(request.prompt_logprobs)
+        request.prompt_logprobs = []
+    status = request.status
+    finish_reason = status.finish_reason if status >= _FINISHED else None
+    num_cached_tokens = request.num_cached_tokens if request.num_cached_tokens > 0 else 0
+    # Positional, in field order: msgspec parses keyword arguments noticeably slower.
+    ended_by_grammar = request.grammar is not None and request.grammar.ended
+    return EngineCoreOutput(
+        request.request_id, new_tokens, logprobs, prompt_logprobs, finish_reason, request.stop_reason, num_cached_tokens,
+        ended_by_grammar,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from runtime.engine.messages import EngineCoreRequest, FinishReason, LogprobsLists
+from runtime.messages import EngineCoreRequest, FinishReason, LogprobsLists
 from runtime.sampling_params import SamplingParams
 
 
@@ -40,7 +40,8 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "arrival_time", "priority",
         "eos_token_ids", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
         "num_cached_tokens", "stop_reason", "num_preemptions", "block_hashes", "prompt_logprobs",
-        "max_tokens", "num_tokens", "stop_ids", "num_output_placeholders", "schedules_ahead",
+        "max_tokens", "num_tokens", "stop_ids", "num_output_placeholders", "schedules_ahead", "grammar",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -66,7 +67,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hits at the first schedule, -1 until then
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []  # hashes of full blocks, chained from the first
+        self.block_hashes: list[bytes] = []  # sha256 digests of full blocks, chained from the first
         self.prompt_logprobs: list[LogprobsLists] = []  # chunks, joined when the prompt is done
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.num_tokens = len(self.all_token_ids)  # prompt + outputs; kept by append_output_token
@@ -75,12 +76,18 @@ class Request:
         self.num_output_placeholders = 0
         # Whether the next step may be scheduled before this one's tokens are back: not when
         # sampling reads the request's own output ids on the host (penalties, min_tokens,
-        # the per-position seed) or the prompt logprobs still accumulate.
+        # the per-position seed), the prompt logprobs still accumulate, or a grammar must
+        # see the token before it can say which tokens may follow.
         p = sampling_params
         self.schedules_ahead = (
             p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-            and not p.min_tokens and p.seed is None and p.prompt_logprobs is None
+            and not p.min_tokens and p.seed is None and p.prompt_logprobs is None and p.structured_outputs is None
         )
+        # Structured output: a runtime.scheduler.structured_output.RequestGrammar, set when added.
+        self.grammar = None
+        # Speculative decoding: draft tokens proposed after the last step, verified by the
+        # next one (never part of all_token_ids / num_tokens; dropped when preempted).
+        self.spec_token_ids: list[int] = []
         # Token ids that end the request (once min_tokens is reached): stop_token_ids, and EOS unless ignore_eos.
         self.stop_ids = frozenset(sampling_params.stop_token_ids or ()).union(
             () if sampling_params.ignore_eos else eos_token_ids

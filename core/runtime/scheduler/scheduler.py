@@ -4,18 +4,22 @@ Every request has ``num_computed_tokens``; each step gives each scheduled reques
 some tokens to compute so that ``num_computed_tokens`` catches up with its known
 tokens. Prefill chunks and decodes share one budget, ``max_num_batched_tokens``.
 When the KV cache runs out, the lowest-priority running request is preempted by
-recompute: its blocks are freed and it waits again.
+recompute: its blocks are freed and it waits again (with ``--preemption-mode swap`` a KV
+connector saves them to the cpu offload tier first, and loads them back on resume).
+A KV connector (offload tiers, prefill/decode transfer) joins through
+:mod:`runtime.scheduler.kv_connector`; requests whose KV comes from a remote engine wait there.
 """
 
 from __future__ import annotations
 
-import itertools
-
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.engine.messages import EngineCoreOutput, EngineCoreOutputs, LogprobsLists
+from runtime.messages import CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from runtime.scheduler.kv_cache_manager import KVCacheManager
-from runtime.scheduler.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from runtime.scheduler.kv_connector import SchedulerConnector
+from runtime.scheduler.output import grammar_ends, make_output
 from runtime.scheduler.request import Request, RequestStatus
+from runtime.scheduler.stopping import SpecDecodeStats, check_stop
+from runtime.scheduler.structured_output import StructuredOutputManager
 
 # Enum members looked up once: a class attribute lookup costs ~150 ns on Python 3.11,
 # and the per-request loops below do several per request and step.
@@ -23,31 +27,16 @@ _RUNNING = RequestStatus.RUNNING
 _FINISHED = RequestStatus.FINISHED_STOPPED  # this and every status above it
 
 
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """Set the finished status if the last sampled token ends the request."""
-    token = request.output_token_ids[-1]
-    num_output = len(request.output_token_ids)
-    if token in request.stop_ids and num_output >= request.sampling_params.min_tokens:
-        request.status = RequestStatus.FINISHED_STOPPED
-        if request.sampling_params.ignore_eos or token not in request.eos_token_ids:
-            request.stop_reason = token  # a stop_token_ids entry; EOS leaves no stop reason
-        return True
-    if num_output >= request.max_tokens or request.num_tokens >= max_model_len:
-        request.status = RequestStatus.FINISHED_LENGTH
-        return True
-    return False
-
-
-def _join_logprobs(chunks: list[LogprobsLists]) -> LogprobsLists:
-    return LogprobsLists(
-        token_ids=list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-        logprobs=list(itertools.chain.from_iterable(c.logprobs for c in chunks)),
-        ranks=list(itertools.chain.from_iterable(c.ranks for c in chunks)),
-    )
-
-
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        structured_output: StructuredOutputManager | None = None,
+        num_speculative_tokens: int = 0,
+        kv_connector=None,
+    ):
         self.config = scheduler_config
         self.policy = scheduler_config.policy
         self.max_model_len = scheduler_config.max_model_len
@@ -58,13 +47,30 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # to tell the workers next step
         self.num_preemptions = 0
         self.num_not_ahead = 0  # requests that cannot be scheduled ahead of their tokens
+        self.structured_output = structured_output
+        self.waiting_for_grammar: list[Request] = []  # constrained requests whose grammar compiles
+        self.failed: dict[str, str] = {}  # request id -> why, ended since the last update_from_output
+        # Speculative decoding (drafts set on requests by the engine's proposer between steps).
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
+        # KV connector's scheduler half (offload tiers), or None.
+        self.kv_connector = None if kv_connector is None else SchedulerConnector(
+            kv_connector, self.kv_cache_manager, scheduler_config.preemption_mode)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_output is None:
+                raise ValueError(
+                    "structured output needs a guided decoding backend and none is loaded; install "
+                    "runtime-plugin-outlines (pip install -e plugins/outlines) or pick one with --guided-decoding-backend"
+                )
+            request.grammar = self.structured_output.submit(constraint.kind, constraint.spec())
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        (self.waiting if request.grammar is None else self.waiting_for_grammar).append(request)
         self.num_not_ahead += not request.schedules_ahead
 
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
@@ -76,6 +82,10 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.waiting_for_grammar:
+                self.waiting_for_grammar.remove(request)
+            elif self.kv_connector is not None and request.request_id in self.kv_connector.waiting_remote:
+                pass  # its remote load is dropped when it is freed
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -83,31 +93,78 @@ class Scheduler:
             ended.append(request)
         return ended
 
-    def _free(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free(self, request: Request) -> dict | None:
+        """Free a finished request; returns a KV connector's transfer parameters for the client."""
+        params = None
+        if self.kv_connector is None:
+            self.kv_cache_manager.free(request)
+        else:
+            params = self.kv_connector.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         self.num_not_ahead -= not request.schedules_ahead
+        return params
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled while the current one's tokens are in flight."""
         return self.num_not_ahead == 0
 
     def has_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests to run, or (with a KV connector) blocks still to save."""
+        return bool(self.waiting or self.running or self.waiting_for_grammar) or (
+            self.kv_connector is not None and self.kv_connector.has_pending_work())
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        remote = 0 if self.kv_connector is None else len(self.kv_connector.waiting_remote)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar) + remote
+
+    def only_waiting_for_grammar(self) -> bool:
+        """Nothing to run until a grammar compiles (the engine may block on the compiles)."""
+        return bool(self.waiting_for_grammar) and not (self.waiting or self.running)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        self.structured_output.wait([r.grammar for r in self.waiting_for_grammar], timeout)
+
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar is ready to the waiting queue; fail those whose compile failed."""
+        still = []
+        for request in self.waiting_for_grammar:
+            try:
+                ready = self.structured_output.poll(request.grammar)
+            except ValueError as exc:
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._free(request)
+                self.failed[request.request_id] = str(exc)
+                continue
+            (self.waiting if ready else still).append(request)
+        self.waiting_for_grammar = still
+
+    def _poll_kv_connector(self) -> None:
+        """Free blocks the connector is done sending; admit (or fail) requests whose remote KV arrived."""
+        connector = self.kv_connector
+        connector.release_sent()
+        if not connector.waiting_remote:
+            return
+        ready, failed = connector.take_loaded(idle=not (self.waiting or self.running))
+        self.waiting.extend(ready)
+        for request, why in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            self.failed[request.request_id] = why
 
     # ---------------------------------------------------------------- schedule
     def _preempt_one(self, first_candidate: int) -> Request:
         """Preempt the lowest-priority running request not yet scheduled this step."""
         victim = max(self.running[first_candidate:], key=lambda r: r.sort_key(self.policy))
         self.running.remove(victim)
-        self.kv_cache_manager.free(victim)
+        if self.kv_connector is None:
+            self.kv_cache_manager.free(victim)
+        else:
+            self.kv_connector.preempt(victim)  # swap: its computed blocks are saved first
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_output_placeholders = 0  # a token in flight is dropped and sampled again
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         victim.prompt_logprobs.clear()
         self.num_preemptions += 1
@@ -124,7 +181,12 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached_reqs: list[CachedRequestData] = []
         new_reqs: list[NewRequestData] = []
-        budget = self._schedule_running(self.config.max_num_batched_tokens, num_scheduled, cached_reqs)
+        spec_tokens: dict[str, list[int]] = {}
+        if self.waiting_for_grammar:
+            self._admit_compiled()
+        if self.kv_connector is not None:
+            self._poll_kv_connector()
+        budget = self._schedule_running(self.config.max_num_batched_tokens, num_scheduled, cached_reqs, spec_tokens)
         if budget is not None:  # None: a request was preempted, so none is admitted this step
             self._schedule_waiting(budget, num_scheduled, new_reqs)
         output = SchedulerOutput(
@@ -133,16 +195,40 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
+        if self.kv_connector is not None:
+            self.kv_connector.attach_metadata(output)
+        if self.structured_output is not None:
+            self._add_grammar_bitmask(output)
         return output
 
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The allowed next tokens of every scheduled constrained request that samples this step."""
+        requests = self.requests
+        constrained = [
+            request
+            for req_id in output.num_scheduled_tokens
+            if (request := requests[req_id]).grammar is not None
+            and request.num_computed_tokens >= request.num_tokens  # its chunk reaches the end: it samples
+        ]
+        if constrained:
+            output.structured_output_request_ids, output.grammar_bitmask = self.structured_output.grammar_bitmask(constrained)
+
     def _schedule_running(
-        self, budget: int, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData]
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        cached_reqs: list[CachedRequestData],
+        spec_tokens: dict[str, list[int]],
     ) -> int | None:
         """Running requests, oldest first, preempting from the back when blocks run out.
 
-        Returns the budget left, or None when a request was preempted.
+        A decoding request with drafts (``spec_token_ids``) is scheduled for its one real
+        token plus as many drafts as the budget allows after one token for each running
+        request behind it (drafts never cost a request its real token); they go into
+        ``spec_tokens``. Returns the budget left, or None when a request was preempted.
         """
         kv = self.kv_cache_manager
         block_size, no_op_offsets = kv.block_size, kv.no_op_decode_offsets
@@ -153,6 +239,15 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             placeholders = request.num_output_placeholders
             num_new = request.num_tokens + placeholders - num_computed
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []  # verified by this step, or dropped
+                num_drafts = min(len(drafts), budget - (len(self.running) - index)) if num_new == 1 else 0
+                if num_drafts > 0:
+                    drafts = drafts[:num_drafts]
+                    num_new += num_drafts
+                else:
+                    drafts = None
             if num_new == 1 and num_computed % block_size in no_op_offsets and not (placeholders and self._ends_by_length(request)):
                 # Fast path: one token (usually a decode) that lands inside the last block.
                 cached_reqs.append(CachedRequestData(request.request_id, [], num_computed))
@@ -167,6 +262,10 @@ class Scheduler:
                 index += 1  # nothing to compute, or its token in flight is its last
                 continue
             while (block_ids := kv.allocate_slots(request, num_new)) is None:
+                if drafts:  # the drafts go first: nothing is preempted to make room for them
+                    num_new -= len(drafts)
+                    drafts = None
+                    continue
                 victim = self._preempt_one(index)
                 preempted = True
                 if victim is request:
@@ -175,6 +274,8 @@ class Scheduler:
                 continue  # preempted itself; self.running shrank at or after index
             cached_reqs.append(CachedRequestData(request.request_id, block_ids, num_computed))
             num_scheduled[request.request_id] = num_new
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             self._advance(request, num_new)
             budget -= num_new
             index += 1
@@ -200,13 +301,23 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting()
             computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = min(num_new, budget)
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            num_external = 0 if self.kv_connector is None else self.kv_connector.num_external_tokens(request, num_cached)
+            if num_external is None:  # its KV comes from a remote engine: it waits without blocks
+                self.waiting.remove(request)
+                self.kv_connector.wait_remote(request, num_cached)  # looked up again when it is back
+                continue
+            num_new = request.num_tokens - num_cached - num_external
+            block_ids = None
+            if self.config.enable_chunked_prefill or num_new <= budget:
+                num_new = min(num_new, budget)
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + num_external, computed_blocks)
             if block_ids is None:
+                if num_external:
+                    self.kv_connector.alloc_failed(request)
                 break
+            if self.kv_connector is not None:
+                self.kv_connector.after_alloc(request, num_external)  # loaded before this step's forward pass
+                num_cached += num_external
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -230,9 +341,13 @@ class Scheduler:
     # ---------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        row_of = {}  # logprobs row of each request that sampled
+        row_of = {}  # first logprobs row of each request that sampled (one row per sampled token)
         if runner_output.logprobs is not None:
-            row_of = {req_id: i for i, req_id in enumerate(runner_output.req_ids)}
+            row = 0
+            for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+                row_of[req_id] = row
+                row += len(tokens)
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         prompt_chunks = runner_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
         finished: set[str] = set()
@@ -245,40 +360,38 @@ class Scheduler:
             new_tokens: list[int] = []
             if req_id in sampled and request.num_output_placeholders:
                 request.num_output_placeholders -= 1  # its token is back
+            if spec_tokens and req_id in spec_tokens and req_id in sampled:
+                # k drafts verified, m = accepted + 1 tokens emitted: the rejected drafts'
+                # positions count as not computed (their KV is overwritten later).
+                num_drafts, num_emitted = len(spec_tokens[req_id]), len(sampled[req_id])
+                request.num_computed_tokens -= num_drafts + 1 - num_emitted
+                if self.spec_stats is None:
+                    self.spec_stats = SpecDecodeStats(0)
+                self.spec_stats.observe(num_drafts, num_emitted - 1)
+            grammar = request.grammar.grammar if request.grammar is not None else None
             for token in sampled.get(req_id, ()):
                 request.append_output_token(token)
                 new_tokens.append(token)
                 if check_stop(request, self.max_model_len):
                     break
+                if grammar is not None and grammar_ends(request, grammar, token):
+                    break
             if not new_tokens and not (request.prompt_logprobs and request.num_computed_tokens >= request.num_prompt_tokens):
                 continue  # a prompt chunk that produced nothing to report yet
-            outputs.append(self._make_output(request, new_tokens, runner_output, row_of.get(req_id)))
+            outputs.append(make_output(request, new_tokens, runner_output, row_of.get(req_id)))
             if request.status >= _FINISHED:
                 finished.add(req_id)
-                self._free(request)
+                outputs[-1].kv_transfer_params = self._free(request)
         if finished:
             self.running[:] = [r for r in self.running if r.request_id not in finished]
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats())
-
-    def _make_output(self, request: Request, new_tokens: list[int], runner_output: ModelRunnerOutput, row) -> EngineCoreOutput:
-        logprobs = prompt_logprobs = None
-        if request.sampling_params.logprobs is not None and new_tokens and runner_output.logprobs is not None and row is not None:
-            lp = runner_output.logprobs
-            logprobs = LogprobsLists([lp.token_ids[row]], [lp.logprobs[row]], [lp.ranks[row]])
-        if request.prompt_logprobs and request.num_computed_tokens >= request.num_prompt_tokens:
-            prompt_logprobs = _join_logprobs(request.prompt_logprobs)
-            request.prompt_logprobs = []
-        status = request.status
-        finish_reason = status.finish_reason if status >= _FINISHED else None
-        num_cached_tokens = request.num_cached_tokens if request.num_cached_tokens > 0 else 0
-        # Positional, in field order: msgspec parses keyword arguments noticeably slower.
-        return EngineCoreOutput(
-            request.request_id, new_tokens, logprobs, prompt_logprobs, finish_reason, request.stop_reason, num_cached_tokens
-        )
+        failed, self.failed = self.failed, {}
+        if self.kv_connector is not None:
+            self.kv_connector.step_done(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(), failed=failed or None)
 
     def stats(self) -> dict:
         prefix = self.kv_cache_manager.stats
-        return {
+        stats = {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "kv_cache_usage": self.kv_cache_manager.usage(),
@@ -286,3 +399,8 @@ class Scheduler:
             "prefix_cache_hits": prefix.hits,
             "num_preemptions": self.num_preemptions,
         }
+        if self.spec_stats is not None:
+            stats.update(self.spec_stats.as_dict())
+        if self.kv_connector is not None:
+            stats.update(self.kv_connector.stats())
+        return stats

@@ -7,6 +7,13 @@ then pads its inputs to the next captured size and replays that graph.
 
 Padding keeps the replay harmless: padded tokens have slot ``-1`` (their keys are not
 cached) and padded requests have no queries, so attention skips them.
+
+A platform that ``compiles_graphs`` (the CPU) gets compiled code instead of recordings:
+the forward is compiled once (``platform.compile_model``, e.g. ``torch.compile`` with a
+symbolic batch size), warmed at batch sizes 1 and 2 so that start-up compiles whatever the
+platform specializes, and a decode step of any size up to the largest runs it on exactly
+its own tokens (no padding), with the attention backend run eagerly inside it on the
+step's host metadata (:mod:`runtime.models.attention_op`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ def can_capture(platform, backend, sizes: tuple[int, ...]) -> str | None:
         return "graphs are off (enforce_eager, or no sizes to capture)"
     if not platform.supports_graphs:
         return f"platform {platform.name!r} cannot capture graphs"
-    if not getattr(backend, "supports_graphs", False):
+    if not getattr(platform, "compiles_graphs", False) and not getattr(backend, "supports_graphs", False):
         return f"attention backend {backend.name!r} reads host-side metadata and cannot run in a graph"
     return None
 
@@ -53,16 +60,25 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         self.replay_counts: Counter[int] = Counter()  # steps run per captured size
+        self.compiles = getattr(platform, "compiles_graphs", False)  # compiled code instead of recorded graphs
+        self.compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # set by capture() if compiles
 
     def batch_size(self, num_reqs: int, num_tokens: int) -> int | None:
         """The captured size a step pads to, or None if it must run eagerly."""
         if num_tokens != num_reqs or num_reqs > self.sizes[-1]:
             return None
+        if self.compiles:
+            return num_reqs if self.compiled is not None else None  # compiled code runs any size: no padding
         return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
 
     @torch.inference_mode()
     def capture(self, prefill_tokens: int = WARM_UP_PREFILL_TOKENS) -> None:
         start = time.perf_counter()
+        if self.compiles:
+            self._compile()
+            if self.compiled is not None:
+                logger.info("compiled decode steps (batch sizes 1..%d) in %.1f s", self.sizes[-1], time.perf_counter() - start)
+            return
         self.warm_up_prefill(prefill_tokens)
         self._fill_dummy_inputs()
         pool = self.platform.graph_pool()
@@ -71,6 +87,19 @@ class DecodeGraphs:
             step()  # compile kernels and create lazy state outside the capture
             self.replays[size] = self.platform.capture_graph(step, pool)
         logger.info("captured %d decode graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+
+    def _compile(self) -> None:
+        """``platform.compile_model``, warmed at batch 1 and 2; a model it cannot compile runs eagerly."""
+        self.compiled = self.platform.compile_model(self.model)
+        if self.compiled is None:  # the platform chose to run this model eagerly
+            return
+        self._warm_up_compiled(1, self.model)  # lazy state (e.g. rotary tables) created eagerly, not traced
+        try:
+            for size in sorted({1, min(2, self.sizes[-1])}):
+                self._warm_up_compiled(size, self.compiled)
+        except Exception as exc:  # an op the compiler cannot handle (e.g. a plugin's kernel): stay correct
+            logger.warning("decode steps run eagerly: compiling them failed (%s: %s)", type(exc).__name__, exc)
+            self.compiled = None
 
     def warm_up_prefill(self, num_tokens: int) -> None:
         """One eager step with a prefill chunk and a decode, caching nothing.
@@ -109,7 +138,53 @@ class DecodeGraphs:
     def run(self, size: int) -> torch.Tensor:
         """Replay the graph of ``size`` on the buffers' current contents: hidden states ``[size, hidden]``."""
         self.replay_counts[size] += 1
+        if self.compiled is not None:
+            return self._run_compiled(size)
         return self.replays[size]()
+
+    def _run_compiled(self, size: int, forward: Callable | None = None) -> torch.Tensor:
+        """The compiled forward (or ``forward``) over the first ``size`` decode rows of the buffers,
+        metadata built as eager steps build it."""
+        b = self.buffers
+        seq_lens = b.seq_lens.host[:size]
+        max_seq_len = int(seq_lens.max())
+        width = -(-max_seq_len // self.block_size)
+        metadata = AttentionMetadata(
+            num_reqs=size,
+            num_tokens=size,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            query_start_loc=b.query_start_loc.dev[: size + 1],
+            seq_lens=b.seq_lens.dev[:size],
+            block_table=b.block_table[:size, :width],
+            slot_mapping=b.slot_mapping.dev[:size],
+            query_start_loc_cpu=b.query_start_loc.np[: size + 1],
+            seq_lens_cpu=b.seq_lens.np[:size],
+            block_size=self.block_size,
+        )
+        metadata = self.backend.build_metadata(metadata)
+        with set_forward_context(self.backend, metadata, self.kv_caches):
+            return (forward or self.compiled)(b.input_ids.dev[:size], b.positions.dev[:size])
+
+    def _warm_up_compiled(self, size: int, forward: Callable) -> None:
+        """Compile (or load from the compiler's cache) the code of ``size`` by running ``forward``:
+        one token per row at position 0, written to slots 0..size-1 (no request owns a block yet)."""
+        b = self.buffers
+        for buffer, values in (
+            (b.input_ids, torch.zeros(size, dtype=torch.int64)),
+            (b.positions, torch.zeros(size, dtype=torch.int64)),
+            (b.slot_mapping, torch.arange(size, dtype=torch.int64)),
+            (b.query_start_loc, torch.arange(size + 1, dtype=torch.int32)),
+            (b.seq_lens, torch.ones(size, dtype=torch.int32)),
+        ):
+            buffer.host[: len(values)] = values
+            buffer.upload(len(values))
+        b.block_table.zero_()
+        b.block_table[:size, 0] = torch.arange(size, dtype=torch.int32) // self.block_size
+        start = time.perf_counter()
+        self._run_compiled(size, forward)
+        if forward is self.compiled:
+            logger.info("decode step of batch size %d compiled in %.1f s", size, time.perf_counter() - start)
 
     def _step(self, size: int) -> Callable[[], torch.Tensor]:
         b = self.buffers

@@ -16,7 +16,7 @@ import torch
 
 from runtime.sample.metadata import is_plain_greedy
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler.output import SchedulerOutput
+from runtime.messages import SchedulerOutput
 from runtime.worker.buffers import StepBuffers
 
 
@@ -101,6 +101,11 @@ class InputBatch:
                 self.block_table[state.row, state.num_blocks : end] = cached.new_block_ids
                 state.num_blocks = end
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # Speculative decoding: the drafts follow the known tokens in the request's row, so
+            # prepare() feeds them as inputs (a later step overwrites the rejected ones).
+            state = self.requests[req_id]
+            self.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
 
     def prepare(self, so: SchedulerOutput, graph_size: Callable[[int, int], int | None] | None = None) -> StepInputs:
         """Flatten the step into the persistent buffers and copy them to the device.
@@ -128,7 +133,7 @@ class InputBatch:
         # Padding: tokens with no request (slot -1: not cached), requests with no queries.
         b.input_ids.np[:num_tokens] = self.token_ids[rows[token_rows], positions]
         b.input_ids.np[num_tokens:tokens_out] = 0
-        forward = self._forward_pending(states, token_rows, positions)
+        forward = self._forward_pending(states, token_rows, positions, num_all)
         b.positions.np[:num_tokens] = positions
         b.positions.np[num_tokens:tokens_out] = 0
         block_numbers = self.block_table[rows[token_rows], positions // self.block_size]
@@ -163,10 +168,13 @@ class InputBatch:
         b.fence.record()
         return inputs
 
-    def _forward_pending(self, states, token_rows: np.ndarray, positions: np.ndarray):
-        """Device indices (input slot, row of ``last_sampled``) of tokens the host does not have yet."""
+    def _forward_pending(self, states, token_rows: np.ndarray, positions: np.ndarray, num_all: np.ndarray):
+        """Device indices (input slot, row of ``last_sampled``) of tokens the host does not have yet.
+
+        Positions at or past ``num_tokens`` are speculative drafts, already in the host row.
+        """
         num_known = np.fromiter((s.num_known for s in states), dtype=np.int64, count=len(states))
-        missing = np.nonzero(positions >= num_known[token_rows])[0]
+        missing = np.nonzero((positions >= num_known[token_rows]) & (positions < num_all[token_rows]))[0]
         if len(missing) == 0:
             return None
         rows = token_rows[missing]
@@ -189,6 +197,17 @@ class InputBatch:
             state.pending_index = i
             state.num_tokens += 1
             state.pending_step = self.last_step
+
+    def receive_token_lists(self, states: list[CachedRequestState], token_lists: list[list[int]]) -> None:
+        """A step emitted ``token_lists[i]`` (one or more tokens, known on the host) for ``states[i]``
+        (speculative decoding: the accepted drafts and one token of the target's)."""
+        for state, tokens in zip(states, token_lists):
+            start = state.num_known
+            end = min(start + len(tokens), self.max_model_len)
+            self.token_ids[state.row, start:end] = tokens[: end - start]
+            state.output_token_ids.extend(tokens)
+            state.num_known += len(tokens)
+            state.num_tokens = state.num_known
 
     def receive_tokens(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
         """The host now has the tokens a step sampled; requests dropped since are skipped."""

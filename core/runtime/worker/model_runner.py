@@ -9,11 +9,13 @@ import torch
 
 from runtime.attention.backend import AttentionMetadata, select_attention_backend
 from runtime.config import EngineConfig
-from runtime.engine.messages import LogprobsLists
+from runtime.distributed import broadcast_from_last_stage, get_parallel_state
+from runtime.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from runtime.forward_context import set_forward_context
+from runtime.kv_transfer import KVConnectorRole, make_kv_connector
 from runtime.models.ops import custom_ops_scope
 from runtime.sample.metadata import greedy_metadata
-from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.structured_output import resolve_bitmask
 from runtime.worker.graphs import DecodeGraphs, can_capture
 from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from runtime.worker.pending import PendingOutput
@@ -49,10 +51,15 @@ class ModelRunner:
             config.scheduler_config.max_num_batched_tokens,
         )
         self.graphs: DecodeGraphs | None = None
+        parallel = get_parallel_state()
+        self.world_size, self.num_stages, self.is_last_stage = parallel.world_size, parallel.pp_size, parallel.is_last_stage
+        self.kv_connector = None  # the KV connector's worker half (offload tiers), once the cache exists
+        self.spec_runner = None  # a worker proposer (draft model, EAGLE, Medusa) beside the target
 
     # ---------------------------------------------------------------- setup
     def load_model(self) -> None:
         from runtime.model_loader import load_model
+        from runtime.sample.rejection_sampler import RejectionSampler
         from runtime.sample.sampler import Sampler
 
         mc = self.model_config
@@ -62,6 +69,11 @@ class ModelRunner:
                 mc.resolved, load_format=self.config.load_config.load_format, dtype=mc.dtype, device=self.device, seed=mc.seed
             )
             self.sampler = Sampler()
+            self.rejection_sampler = RejectionSampler()
+            from runtime.worker.spec_decode_runner import SpecDecodeRunner
+
+            self.spec_runner = SpecDecodeRunner.maybe_create(
+                self.config, self.platform, self.device, self.model, self.input_batch.block_table)
         self.attention_specs = self.model.attention_specs()
         head_size = self.attention_specs[0].head_size
         self.attn_backend = select_attention_backend(
@@ -75,7 +87,8 @@ class ModelRunner:
             )
 
     def model_memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        proposer = self.spec_runner.memory_bytes() if self.spec_runner is not None else 0  # a draft model's weights
+        return proposer + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -83,7 +96,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return sum(2 * self.block_size * s.num_kv_heads * s.head_size * elem for s in self.attention_specs)
+        proposer = self.spec_runner.kv_bytes_per_block() if self.spec_runner is not None else 0  # its KV shares block ids
+        return proposer + sum(2 * self.block_size * s.num_kv_heads * s.head_size * elem for s in self.attention_specs)
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache_config
@@ -111,12 +125,27 @@ class ModelRunner:
             for s in self.attention_specs
         ]
         self.num_blocks = num_blocks
+        if self.spec_runner is not None:
+            self.spec_runner.initialize_kv_cache(num_blocks, self.platform)
+        self.kv_connector = make_kv_connector(self.config, KVConnectorRole.WORKER)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches, block_dim=self._block_dim())
         self.capture_graphs()
+
+    def _block_dim(self) -> int:
+        """The dimension of the backend's KV cache layout that indexes blocks."""
+        spec = self.attention_specs[0]
+        one, two = (self.attn_backend.kv_cache_shape(n, self.block_size, spec.num_kv_heads, spec.head_size) for n in (1, 2))
+        return next(d for d, (a, b) in enumerate(zip(one, two)) if a != b)
 
     def capture_graphs(self) -> None:
         """Record decode steps as graphs when the platform and the attention backend allow it."""
         sizes = self.config.device_config.cuda_graph_sizes
         reason = can_capture(self.platform, self.attn_backend, sizes)
+        if reason is None and self.num_stages > 1:
+            reason = "pipeline stages hand activations over outside the graph"
+        if reason is None and self.spec_runner is not None:
+            reason = "a speculative proposer runs in the worker (its passes and the verification run eagerly)"
         if reason is not None:
             logger.info("running eagerly: %s", reason)
             return
@@ -155,30 +184,120 @@ class ModelRunner:
         """
         batch = self.input_batch
         batch.update_states(so)
+        connector = self.kv_connector if so.kv_connector_metadata is not None else None
+        if connector is not None:
+            connector.start_load_kv(so.kv_connector_metadata)  # this step's loads land before the forward pass
         if so.total_num_scheduled_tokens == 0:
+            if connector is not None:
+                connector.wait_for_save()
             return PendingOutput.done(ModelRunnerOutput([], []))
         inputs = batch.prepare(so, self.graphs.batch_size if self.graphs is not None else None)
+        drafts = self.spec_runner.propose(so, inputs, batch.token_ids) if self.spec_runner is not None else None
         if inputs.graph_size is not None:
             hidden = self.graphs.run(inputs.graph_size)[: so.total_num_scheduled_tokens]
         else:
             with set_forward_context(self.attn_backend, self._metadata(inputs), self.kv_caches):
                 hidden = self.model(inputs.input_ids, inputs.positions_t)  # [num_tokens, hidden]
+        if so.grammar_bitmask is not None and self.is_last_stage:
+            resolve_bitmask(so.grammar_bitmask)  # the host fills the grammars' rows while the device runs the forward pass
+        if connector is not None:
+            connector.wait_for_save()  # saves that overlapped the forward pass have read their blocks
+        if not self.is_last_stage:
+            return self._receive_sampled(inputs)
+        if self.spec_runner is not None and not so.scheduled_spec_decode_tokens:
+            self.spec_runner.record(inputs, hidden)  # every scheduled token is valid
         plain = all(s.plain_greedy for s in inputs.states)
         prompt_logprobs = {} if plain else self._prompt_logprobs(inputs, hidden)
         sample_rows = np.nonzero(inputs.sample_mask)[0]
         if len(sample_rows) == 0:
             return PendingOutput.done(ModelRunnerOutput([], [], None, prompt_logprobs))
         states = inputs.states if len(sample_rows) == len(inputs.states) else [inputs.states[i] for i in sample_rows]
+        if so.scheduled_spec_decode_tokens:
+            return self._verify_drafts(so, inputs, hidden, states, sample_rows, plain, prompt_logprobs, drafts)
         if len(sample_rows) == hidden.shape[0]:  # a decode step: every token is sampled
             logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         else:
             last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last_token])
+        if so.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(so, states, logits)
         metadata = greedy_metadata(len(states)) if plain else self._sampling_metadata(states)
         sampler_output = self.sampler(logits, metadata)
+        if self.world_size > 1:  # every rank continues from the output rank's tokens (earlier stages have none)
+            broadcast_from_last_stage(sampler_output.sampled_token_ids)
         batch.sampled_on_device(states, sampler_output.sampled_token_ids)
         download = batch.buffers.start_download(sampler_output.sampled_token_ids)
         return PendingOutput(batch, states, download, sampler_output.logprobs, prompt_logprobs)
+
+    def _receive_sampled(self, inputs: StepInputs) -> PendingOutput:
+        """An earlier pipeline stage's step: its activations went on; the last stage's sampled
+        tokens come back (the input batch needs them), without logits or logprobs."""
+        sample_rows = np.nonzero(inputs.sample_mask)[0]
+        if len(sample_rows) == 0:
+            return PendingOutput.done(ModelRunnerOutput([], []))
+        states = inputs.states if len(sample_rows) == len(inputs.states) else [inputs.states[i] for i in sample_rows]
+        token_ids = broadcast_from_last_stage(torch.empty(len(states), dtype=torch.int64, device=self.device))
+        self.input_batch.sampled_on_device(states, token_ids)
+        return PendingOutput(self.input_batch, states, self.input_batch.buffers.start_download(token_ids), None, {})
+
+    def _verify_drafts(
+        self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor, states: list[CachedRequestState],
+        sample_rows: np.ndarray, plain: bool, prompt_logprobs: dict[str, LogprobsLists], drafts=None,
+    ) -> PendingOutput:
+        """A step with speculative drafts: logits at the last ``1 + k_i`` positions of each
+        sampling request, verified by the rejection sampler (``k_i = 0`` rows get the Sampler's
+        token). Emits a variable number of tokens per request, so it reads them back at once.
+        ``drafts``: a worker proposer's StepDrafts, which replace the scheduled placeholders."""
+        spec = so.scheduled_spec_decode_tokens if drafts is None else drafts.token_ids
+        num_drafts = [len(spec.get(s.req_id, ())) for s in states]
+        counts = np.asarray(num_drafts, dtype=np.int64) + 1
+        row_end = np.cumsum(counts)  # exclusive end of each request's logits rows
+        token_end = inputs.query_start_loc[1:][sample_rows].astype(np.int64)  # exclusive end of its tokens
+        # logits row t of request i reads token t + (token_end[i] - row_end[i]): its last counts[i] tokens
+        index = np.arange(int(row_end[-1]), dtype=np.int64) + np.repeat(token_end - row_end, counts)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        if so.grammar_bitmask is not None:
+            # Constrained requests get no drafts: their one row is their last.
+            self._apply_grammar_bitmask(so, states, logits, (row_end - 1).tolist())
+        metadata = greedy_metadata(len(states)) if plain else self._sampling_metadata(states)
+        draft_ids = torch.tensor([t for s in states for t in spec.get(s.req_id, ())], dtype=torch.int64, device=self.device)
+        output = self.rejection_sampler(logits, draft_ids, num_drafts, metadata, drafts.probs if drafts is not None else None)
+        if self.world_size > 1:  # every rank keeps the output rank's tokens, as after plain sampling
+            broadcast_from_last_stage(output.output_token_ids)
+            broadcast_from_last_stage(output.num_accepted)
+        token_lists = output.token_lists()
+        if self.spec_runner is not None:  # a request with m drafts computed 1 + accepted valid positions
+            self.spec_runner.record(inputs, hidden, {s.req_id: len(t) for s, t in zip(states, token_lists) if s.req_id in spec})
+        self.input_batch.receive_token_lists(states, token_lists)
+        logprobs = None
+        if output.logprobs is not None:
+            from runtime.sample.logprobs import to_lists
+
+            per_row = [s.sampling_params.logprobs or 0 for s, tokens in zip(states, token_lists) for _ in tokens]
+            logprobs = to_lists(output.logprobs, per_row)
+        return PendingOutput.done(ModelRunnerOutput([s.req_id for s in states], token_lists, logprobs, prompt_logprobs))
+
+    @staticmethod
+    def _apply_grammar_bitmask(
+        so: SchedulerOutput, states: list[CachedRequestState], logits: torch.Tensor, logits_row: list[int] | None = None
+    ) -> None:
+        """Mask the logits rows of the constrained requests to the tokens their grammars allow
+        (state ``i``'s row is ``logits_row[i]``, default ``i``)."""
+        from runtime.sample.bitmask import apply_token_bitmask
+
+        row_of = so.structured_output_request_ids
+        logits_rows, mask_rows = [], []
+        for i, state in enumerate(states):
+            row = row_of.get(state.req_id)
+            if row is not None:
+                logits_rows.append(i if logits_row is None else logits_row[i])
+                mask_rows.append(row)
+        if logits_rows:
+            bitmask = resolve_bitmask(so.grammar_bitmask)
+            if mask_rows != list(range(bitmask.shape[0])):
+                # numpy on this thread: torch's indexing splits the copy over its intra-op threads
+                bitmask = torch.from_numpy(bitmask.numpy()[mask_rows])
+            apply_token_bitmask(logits, bitmask, logits_rows)
 
     def _sampling_metadata(self, states: list[CachedRequestState]):
         from runtime.sample.metadata import build_sampling_metadata

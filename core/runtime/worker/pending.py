@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.scheduler.output import ModelRunnerOutput
+from runtime.messages import ModelRunnerOutput
 
 
 class PendingOutput:

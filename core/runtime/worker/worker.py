@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from runtime.config import EngineConfig
-from runtime.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from runtime.messages import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.model_runner import ModelRunner
 from runtime.worker.pending import PendingOutput
 
@@ -15,18 +16,41 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, local_rank: int = 0):
+    """``rank`` is the worker's place among the engine's ``tensor x pipeline`` workers; with
+    more than one, ``distributed_init_method`` (a ``torch.distributed`` init URL that all of
+    them share) joins the process group before the model is built."""
+
+    def __init__(
+        self, config: EngineConfig, local_rank: int = 0, rank: int = 0, distributed_init_method: str | None = None
+    ):
         from runtime.platforms import select_platform
 
         self.config = config
+        self.rank = rank
         self.platform = select_platform(config.device_config.platform)
-        self.platform.set_threads(config.device_config.num_threads)
+        parallel = config.parallel_config
+        num_threads = config.device_config.num_threads
+        if num_threads is None and parallel.world_size > 1 and self.platform.device_type == "cpu":
+            num_threads = max(1, (os.cpu_count() or 1) // parallel.world_size)  # the workers share the cores
+        self.platform.set_threads(num_threads)
         self.device = self.platform.device(local_rank)
+        if parallel.world_size > 1:
+            from runtime.distributed import init_distributed
+
+            if distributed_init_method is None:
+                raise ValueError(f"a worker of a {parallel.world_size}-worker engine needs a distributed_init_method")
+            init_distributed(
+                self.platform, rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, distributed_init_method
+            )
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.platform, self.device)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+
+    def attention_specs(self) -> list:
+        """This rank's attention layers (heads of its shard), for the executor's checks and tests."""
+        return self.model_runner.attention_specs
 
     def determine_num_blocks(self) -> int:
         return self.model_runner.determine_num_blocks()
@@ -36,7 +60,34 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, self.config.cache_config.block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+        return self.launch(scheduler_output).result()
 
     def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
-        return self.model_runner.launch(scheduler_output)
+        pending = self.model_runner.launch(scheduler_output)
+        report = getattr(self.model_runner.kv_connector, "get_connector_output", None)
+        return pending if report is None else ReportedOutput(pending, report())
+
+    def kv_connector_handshake(self):
+        """What this rank's KV connector half tells the scheduler half once the cache exists, or None."""
+        handshake = getattr(self.model_runner.kv_connector, "get_handshake_metadata", None)
+        return None if handshake is None else handshake()
+
+    def shutdown(self) -> None:
+        """Finish the KV connector's saves in flight (offload tiers write their last blocks)."""
+        shutdown = getattr(self.model_runner.kv_connector, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class ReportedOutput:
+    """A launched step and its KV connector's report (taken once the step's copies are
+    queued and its saves awaited): ``result()`` carries the report as this rank's entry."""
+
+    def __init__(self, pending: PendingOutput, report):
+        self.pending = pending
+        self.report = report
+
+    def result(self) -> ModelRunnerOutput:
+        output = self.pending.result()
+        output.kv_connector_outputs = [self.report]
+        return output

@@ -1,10 +1,8 @@
-"""runtime-plugin-cpu: the CPU platform and its paged attention backend."""
+"""runtime-plugin-cpu: the CPU platform, its paged attention backend and weight-only int8 and int4 (``int8_weight_only``, ``int4_weight_only``)."""
 
 from __future__ import annotations
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("runtime")
+from runtime import hookimpl
 
 
 @hookimpl
@@ -22,3 +20,19 @@ def register_attention_backends(register):
         return CPUPagedAttentionBackend()
 
     register("cpu_paged", factory, platforms=["cpu"])
+
+
+@hookimpl
+def register_quant_methods(register):
+    def int8_weight_only():
+        from runtime_cpu.weight_only import Int8WeightOnlyMethod
+
+        return Int8WeightOnlyMethod()
+
+    def int4_weight_only():
+        from runtime_cpu.weight_only import Int4WeightOnlyMethod
+
+        return Int4WeightOnlyMethod()
+
+    register("int8_weight_only", int8_weight_only)
+    register("int4_weight_only", int4_weight_only)

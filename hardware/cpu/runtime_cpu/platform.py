@@ -55,3 +55,13 @@ class CpuPlatform(Platform):
     def set_threads(self, num_threads: int | None) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
+
+    # Decode steps may run compiled (runtime_cpu.compile): opt-in with RUNTIME_CPU_COMPILE=1,
+    # never with --enforce-eager (see the module's docstring for why it is not on by default).
+    supports_graphs = True
+    compiles_graphs = True
+
+    def compile_model(self, model):
+        from runtime_cpu.compile import compile_model
+
+        return compile_model(model)

@@ -1,14 +1,12 @@
 """runtime-plugin-rocm: AMD GPUs through a HIP build of torch.
 
-Registers the ``rocm`` platform and, when the Triton attention backend of
-runtime-plugin-cuda or runtime-kernels is installed, the shared ``triton`` backend.
+Registers the ``rocm`` platform. Its default attention backend, ``triton``, is
+registered by runtime-kernels (a dependency) for every GPU platform.
 """
 
 from __future__ import annotations
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("runtime")
+from runtime import hookimpl
 
 
 @hookimpl
@@ -16,10 +14,3 @@ def register_platforms(register):
     from runtime_rocm.platform import RocmPlatform
 
     register(RocmPlatform())
-
-
-@hookimpl
-def register_attention_backends(register):
-    from runtime_rocm.triton_backend import register_shared_backend
-
-    register_shared_backend(register)

@@ -1,15 +1,12 @@
 """runtime-plugin-xpu: Intel GPUs through torch.xpu.
 
-Registers the ``xpu`` platform and, when the Triton attention backend of
-runtime-plugin-cuda or runtime-kernels is installed (and no GPU plugin loaded before
-this one registered it), the shared ``triton`` backend.
+Registers the ``xpu`` platform. Its default attention backend, ``triton``, is
+registered by runtime-kernels (a dependency) for every GPU platform.
 """
 
 from __future__ import annotations
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("runtime")
+from runtime import hookimpl
 
 
 @hookimpl
@@ -17,10 +14,3 @@ def register_platforms(register):
     from runtime_xpu.platform import XpuPlatform
 
     register(XpuPlatform())
-
-
-@hookimpl
-def register_attention_backends(register):
-    from runtime_xpu.triton_backend import register_shared_backend
-
-    register_shared_backend(register)

@@ -20,6 +20,12 @@ combines them.
 
 ``UPCAST`` computes the dots in float32; the launcher sets it for bfloat16 under
 Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong (compiled kernels keep bf16).
+
+``F16_DOTS`` (an 8-bit cache under 16-bit queries) widens keys and values to float16,
+not the query's dtype: FP8 -> float16 is a single conversion instruction per pair of
+values, FP8 -> bfloat16 is not, and that conversion, not memory, bounded decode. The
+softmax scale is folded into the query first; float16 has more mantissa than bfloat16,
+so the query loses nothing but values below float16's normal range.
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ def unified_attention_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    F16_DOTS: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -106,6 +113,9 @@ def unified_attention_kernel(
     q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_PAD]
     if UPCAST:
         q = q.to(tl.float32)
+    if F16_DOTS:  # fold the scale into the query, whose magnitude then stays far inside float16's range
+        q = (q.to(tl.float32) * scale).to(tl.float16)
+        scale = 1.0
 
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
@@ -136,7 +146,8 @@ def unified_attention_kernel(
         k = tl.load(k_cache_ptr + k_offsets + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v_offsets = block[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
         v = tl.load(v_cache_ptr + v_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-        # The query's dtype: float32 under UPCAST; bf16/fp16 from an FP8 cache; else a no-op.
+        # The query's dtype: float32 under UPCAST; float16 from an FP8 cache under F16_DOTS
+        # (one hardware instruction per two values, where bf16 takes a detour through float32).
         k = k.to(q.dtype)
         v = v.to(q.dtype)
 

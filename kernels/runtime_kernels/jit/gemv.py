@@ -1,10 +1,11 @@
-"""One-row matrix-vector product ``out = weight @ x`` for batch-1 decoding.
+"""One-row matrix-vector product ``out = (weight @ x) * scale + bias`` for batch-1 decoding.
 
 Grid ``(cdiv(N, BLOCK_N),)``: a program owns ``BLOCK_N`` output features and streams
 their weight rows in ``BLOCK_K`` slices, multiplying by the matching slice of ``x`` and
 accumulating ``[BLOCK_N, BLOCK_K]`` partial products in float32; one reduction at the end
 gives the outputs. The weight is read once, in full rows, which is all a decode step of
-one sequence does (the kernel is bound by memory bandwidth).
+one sequence does (the kernel is bound by memory bandwidth). With ``HAS_SCALE`` the weight
+holds 8-bit codes (FP8) and ``scale`` one float32 per row: the dequantized weight's product.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import triton.language as tl
 def gemv_kernel(
     x_ptr,  # [K]
     w_ptr,  # [N, K], rows at stride_w
+    scale_ptr,  # [N] float32 or unused
     bias_ptr,  # [N] or unused
     out_ptr,  # [N]
     N,
     K,
     stride_w,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -37,6 +40,8 @@ def gemv_kernel(
         x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -50,6 +55,16 @@ GEMV_CONFIGS = [
     )
 ]
 
+# 8-bit weights: twice the columns per byte moved, so longer K slices.
+GEMV_8BIT_CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for n, k, w, s in (
+        (4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 4, 3),
+        (16, 512, 8, 4), (16, 1024, 8, 3), (32, 256, 4, 4), (32, 512, 8, 3),
+    )
+]
+
 # The launch shape per (N, K) is measured once per process on the first call (on the
 # device; the interpreter runs the plain kernel with a fixed shape instead).
 gemv_kernel_tuned = triton.autotune(configs=GEMV_CONFIGS, key=["N", "K"])(gemv_kernel)
+gemv_8bit_kernel_tuned = triton.autotune(configs=GEMV_8BIT_CONFIGS, key=["N", "K"])(gemv_kernel)

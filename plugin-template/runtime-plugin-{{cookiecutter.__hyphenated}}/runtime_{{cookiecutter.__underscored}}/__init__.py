@@ -8,9 +8,7 @@ factories, which run only when the component is chosen.
 
 from __future__ import annotations
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("runtime")
+from runtime import hookimpl
 
 BACKEND_NAME = "{{ cookiecutter.__underscored }}_sdpa"
 
@@ -30,7 +28,8 @@ def register_attention_backends(register):
 
 # ---------------------------------------------------------------------------------
 # Examples of every other hook. Uncomment one, rename what it registers, and write
-# the component; see runtime/hookspecs.py for each hook's full contract.
+# the component; runtime/hookspecs.py names each hook's contract (a Protocol or base
+# class in core). A component that lacks a required method is refused with an error.
 # ---------------------------------------------------------------------------------
 
 # A hardware platform, chosen with --platform (default: the available one with the
@@ -50,22 +49,18 @@ def register_attention_backends(register):
 #         def is_available(self):  # must not initialize the device in a way that breaks fork
 #             return True
 #
-#         def total_memory_bytes(self):
-#             return 8 << 30
-#
 #         def kv_cache_memory_bytes(self, cache_config, model_memory_bytes):
 #             return cache_config.kv_cache_memory_bytes or 1 << 30
 #
 #     register(MyPlatform())
 
-# A weight quantization method, chosen with --quantization or detected from the
-# checkpoint (HF quantization_config, GGUF file type).
+# A weight quantization method (runtime.quantization.QuantMethod), chosen with
+# --quantization or detected from the checkpoint's HF quantization_config.
 #
 # @hookimpl
 # def register_quant_methods(register):
-#     def detect(hf_config, model_path):
-#         config = getattr(hf_config, "quantization_config", None) or {}
-#         return config.get("quant_method") == "my_quant"
+#     def detect(quantization_config):
+#         return (quantization_config or {}).get("quant_method") == "my_quant"
 #
 #     def factory():
 #         from runtime_{{ cookiecutter.__underscored }}.quant import MyQuantMethod
@@ -74,32 +69,45 @@ def register_attention_backends(register):
 #
 #     register("my_quant", factory, detect=detect)
 
-# A speculative-decoding proposer, chosen with --speculative-method and
-# --num-speculative-tokens; propose(requests) returns draft token ids per request.
+# A speculative-decoding proposer (runtime.spec_decode.Proposer), chosen with
+# --speculative-method and --num-speculative-tokens; propose(batch) returns the drafts.
 #
 # @hookimpl
 # def register_proposers(register):
-#     def factory(vllm_config):
+#     def factory(config):
 #         from runtime_{{ cookiecutter.__underscored }}.proposer import MyProposer
 #
-#         return MyProposer(vllm_config)
+#         return MyProposer(config)
 #
 #     register("my_proposer", factory)
 
-# A KV-cache offload tier, chosen with --kv-offload and sized with --kv-offload-size;
-# the tier has store(block_hash, tensors), load(block_hash) and contains(block_hash).
+# A KV connector (runtime.kv_transfer): factory(config, role) returns the scheduler
+# half or the worker half, which move KV blocks between the device cache and elsewhere.
+#
+# @hookimpl
+# def register_kv_connectors(register):
+#     def factory(config, role):
+#         from runtime_{{ cookiecutter.__underscored }} import connector
+#
+#         return connector.MyScheduler(config) if role == "scheduler" else connector.MyWorker(config)
+#
+#     register("my_connector", factory)
+
+# A KV-cache offload tier (runtime.kv_transfer.KVTier), chosen with --kv-offload and
+# sized with --kv-offload-size: store(block_hash, data), load(block_hash), contains(block_hash).
 #
 # @hookimpl
 # def register_kv_tiers(register):
-#     def factory(cache_config, size_bytes):
+#     def factory(config, size_bytes):
 #         from runtime_{{ cookiecutter.__underscored }}.kv_tier import MyTier
 #
 #         return MyTier(size_bytes)
 #
 #     register("my_tier", factory)
 
-# An executor that drives workers, chosen with --executor; it has initialize(),
-# execute_model(scheduler_output) and shutdown().
+# An executor that drives workers (runtime.executor.base.Executor), chosen with
+# --executor; factory(config) returns it: initialize(), execute_model(scheduler_output),
+# shutdown().
 #
 # @hookimpl
 # def register_executors(register):
@@ -122,15 +130,15 @@ def register_attention_backends(register):
 #
 #     register("MyModelForCausalLM", factory)
 
-# A structured-output backend, chosen with --guided-backend; it compiles JSON
-# schemas, regexes and grammars into token masks.
+# A structured-output backend (runtime.structured_output.GuidedBackend), chosen with
+# --guided-backend; compile(kind, spec) returns a Grammar that fills token bitmasks.
 #
 # @hookimpl
 # def register_guided_backends(register):
-#     def factory(tokenizer):
+#     def factory(tokenizer, vocab_size):
 #         from runtime_{{ cookiecutter.__underscored }}.guided import MyGuidedBackend
 #
-#         return MyGuidedBackend(tokenizer)
+#         return MyGuidedBackend(tokenizer, vocab_size)
 #
 #     register("my_guided", factory)
 

@@ -1,10 +1,11 @@
 """The ``{{ cookiecutter.__underscored }}_sdpa`` attention backend.
 
-It builds on runtime-plugin-cpu's paged attention when that is installed and on the
-plain-torch :class:`TorchPagedAttention` otherwise; both keep the KV cache of a layer
-as ``[2, num_blocks, block_size, num_kv_heads, head_size]``. Replace ``forward`` with
-your own kernel. ``forward_calls`` counts forward passes, so that tests can tell
-this backend really ran.
+It builds on the runtime's reference paged attention,
+:class:`runtime.attention.sdpa.SdpaAttentionBackend` (plain torch, every platform), and
+keeps its KV cache layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+Replace ``forward`` with your own kernel, or only ``decode`` (the one-token requests of
+a step) as runtime-plugin-cpu's ``cpu_paged`` does. ``forward_calls`` counts forward
+passes, so that tests can tell this backend really ran.
 """
 
 from __future__ import annotations
@@ -12,15 +13,10 @@ from __future__ import annotations
 import torch
 
 from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
-from runtime_{{ cookiecutter.__underscored }}.torch_paged import TorchPagedAttention
-
-try:
-    from runtime_cpu.attention import CPUPagedAttentionBackend as BaseBackend
-except ImportError:  # runtime-plugin-cpu is not installed
-    BaseBackend = TorchPagedAttention
+from runtime.attention.sdpa import SdpaAttentionBackend
 
 
-class {{ cookiecutter.__class_prefix }}AttentionBackend(BaseBackend):
+class {{ cookiecutter.__class_prefix }}AttentionBackend(SdpaAttentionBackend):
     """Paged attention for the ``cpu`` platform (see the module docstring)."""
 
     name = "{{ cookiecutter.__underscored }}_sdpa"

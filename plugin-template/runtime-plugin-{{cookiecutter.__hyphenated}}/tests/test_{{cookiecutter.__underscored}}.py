@@ -8,10 +8,10 @@ import torch
 
 from runtime import plugins
 from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata, select_attention_backend
+from runtime.attention.sdpa import SdpaAttentionBackend
 from runtime.platforms import Platform
 
 from runtime_{{ cookiecutter.__underscored }}.attention import {{ cookiecutter.__class_prefix }}AttentionBackend
-from runtime_{{ cookiecutter.__underscored }}.torch_paged import TorchPagedAttention
 
 PLUGIN = "{{ cookiecutter.__hyphenated }}"
 BACKEND = "{{ cookiecutter.__underscored }}_sdpa"
@@ -22,6 +22,9 @@ class StubCpu(Platform):
 
     def is_available(self):
         return True
+
+    def kv_cache_memory_bytes(self, cache_config, model_memory_bytes):
+        return 1 << 20
 
 
 @pytest.fixture
@@ -113,7 +116,7 @@ def make_step(generator):
     return cache, torch.cat(queries), torch.cat(keys), torch.cat(values), metadata, full
 
 
-@pytest.mark.parametrize("backend_cls", [TorchPagedAttention, {{ cookiecutter.__class_prefix }}AttentionBackend])
+@pytest.mark.parametrize("backend_cls", [SdpaAttentionBackend, {{ cookiecutter.__class_prefix }}AttentionBackend])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (3, None), (None, 5.0)])
 def test_paged_attention_matches_dense_reference(backend_cls, window, soft_cap):
     generator = torch.Generator().manual_seed(0)

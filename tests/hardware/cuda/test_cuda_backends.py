@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
-from runtime_cuda.sdpa_attention import SdpaAttentionBackend
+from runtime.attention.sdpa import SdpaAttentionBackend
 
 pytest.importorskip("triton")
 
-from runtime_cuda.triton_attention import TritonAttentionBackend  # noqa: E402
+from runtime_kernels.attention_backend import TritonAttentionBackend  # noqa: E402
 from runtime_kernels.attention import unified_attention_ref  # noqa: E402
 
 BLOCK_SIZE = 4

@@ -14,8 +14,8 @@ import torch
 
 from runtime import LLM, SamplingParams
 
-from cuda_tiny import (
-    build_untokenized_model,
+from runtime.testing.models import build_untokenized_model
+from runtime.testing.reference import (
     check_logprobs_close,
     check_logprobs_close_until_divergence,
     check_outputs_equal,

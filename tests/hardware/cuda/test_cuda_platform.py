@@ -1,4 +1,8 @@
-"""The CUDA platform's registration, fork-safe detection and KV memory budget."""
+"""The CUDA platform's registration, fork-safe detection and KV memory budget.
+
+Detection and the budget's arithmetic are the shared GpuPlatform's (tests/platforms);
+here: what CUDA sets, and its own custom ops.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,42 @@ import pytest
 import torch
 
 from runtime.platforms import select_platform
-from runtime_cuda.memory import GIB, MemorySnapshot, activation_headroom, kv_cache_budget
-from runtime_cuda.platform import CudaPlatform, cuda_device_count
+from runtime.plugins import BUILTIN_PLUGIN_NAME
+from runtime.platforms.gpu import GpuPlatform
+from runtime_cuda.platform import CudaPlatform
 
 
-def test_plugin_registers_platform_and_backends(plugin_manager):
+def test_plugin_registers_the_platform_and_finds_its_backends(plugin_manager):
     platform = plugin_manager.registry("platform").get("cuda")
+    assert isinstance(platform, GpuPlatform)
     assert (platform.priority, platform.dist_backend, platform.default_attention_backend) == (10, "nccl", "triton")
     assert platform.priority > plugin_manager.registry("platform").get("cpu").priority
+    assert plugin_manager.infos["cuda"].registered == {"platform": ["cuda"]}
     backends = plugin_manager.registry("attention_backend")
+    assert backends.component("triton").plugin == "kernels"  # runtime-kernels, once for every GPU platform
     assert backends.component("triton").options["platforms"] == ["cuda", "rocm", "xpu"]
-    assert backends.component("sdpa").options["platforms"] == ["cuda", "cpu"]
-    assert backends.component("triton").plugin == "cuda"
+    assert backends.component("sdpa").plugin == BUILTIN_PLUGIN_NAME  # core's reference, every platform
+    assert backends.component("sdpa").options.get("platforms") is None
     assert backends.get("sdpa")().name == "sdpa"
+
+
+def test_counts_through_nvml_on_cuda_builds_only(monkeypatch):
+    platform = CudaPlatform()
+    assert (platform.count_hook, platform.visible_devices_envs, platform.headroom_env) == (
+        "_device_count_nvml", ("CUDA_VISIBLE_DEVICES",), "RUNTIME_CUDA_ACTIVATION_HEADROOM_GIB"
+    )
+    monkeypatch.setattr(torch.version, "cuda", "12.8-simulated")
+    monkeypatch.setattr(torch.version, "hip", "6.2-simulated")  # a ROCm build reports both
+    assert not platform.is_torch_build() and platform.device_count() == 0
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 4)
+    assert platform.device_count() == 4 and platform.is_available()
 
 
 @pytest.mark.skipif(torch.version.cuda is not None, reason="checks a CPU-only torch build")
 def test_unavailable_without_cuda_and_cpu_still_wins(plugin_manager):
-    assert cuda_device_count() == 0
+    assert CudaPlatform().device_count() == 0
     assert not CudaPlatform().is_available()
     assert select_platform().name == "cpu"
     with pytest.raises(ValueError, match="platform 'cuda' is installed but not available"):
@@ -34,37 +56,6 @@ def test_detection_does_not_initialize_cuda():
     was_initialized = torch.cuda.is_initialized()
     CudaPlatform().is_available()
     assert torch.cuda.is_initialized() == was_initialized
-
-
-def snapshot(total_gib=80, free_gib=78, reserved_gib=1.5, peak_gib=1.2) -> MemorySnapshot:
-    return MemorySnapshot(int(total_gib * GIB), int(free_gib * GIB), int(reserved_gib * GIB), int(peak_gib * GIB))
-
-
-def test_budget_takes_utilization_minus_model_context_and_activations():
-    # 80 GiB card, 0.5 GiB outside torch (80 - 78 - 1.5), model 1.2 GiB, 2 GiB headroom.
-    budget = kv_cache_budget(snapshot(), 0.9, model_bytes=int(1.2 * GIB), headroom=2 * GIB)
-    assert budget == int(80 * GIB * 0.9) - int(0.5 * GIB) - int(1.2 * GIB) - 2 * GIB
-
-
-def test_measured_peak_beyond_headroom_is_reserved():
-    budget = kv_cache_budget(snapshot(peak_gib=6.2), 0.9, model_bytes=int(1.2 * GIB), headroom=2 * GIB)
-    assert budget == int(80 * GIB * 0.9) - int(0.5 * GIB) - int(1.2 * GIB) - 5 * GIB
-
-
-def test_no_memory_left_is_an_error_with_numbers():
-    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.1 of 80.00 GiB allows 8.00 GiB.*model takes 7.00 GiB"):
-        kv_cache_budget(snapshot(), 0.1, model_bytes=7 * GIB, headroom=2 * GIB)
-
-
-def test_headroom_default_env_and_bad_env(monkeypatch):
-    monkeypatch.delenv("RUNTIME_CUDA_ACTIVATION_HEADROOM_GIB", raising=False)
-    assert activation_headroom(80 * GIB) == 2 * GIB
-    assert activation_headroom(8 * GIB) == int(0.8 * GIB)  # small cards: 10%
-    monkeypatch.setenv("RUNTIME_CUDA_ACTIVATION_HEADROOM_GIB", "0.5")
-    assert activation_headroom(80 * GIB) == GIB // 2
-    monkeypatch.setenv("RUNTIME_CUDA_ACTIVATION_HEADROOM_GIB", "lots")
-    with pytest.raises(ValueError, match="must be a number of GiB, got 'lots'"):
-        activation_headroom(80 * GIB)
 
 
 def test_explicit_kv_cache_bytes_win():

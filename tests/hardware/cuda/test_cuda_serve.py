@@ -7,13 +7,9 @@ tokens, also when several requests run at once and when streamed.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "entrypoints"))
-from token_id_completions import (  # noqa: E402
+from support.token_id_completions import (
     concurrent_greedy_completions,
     served_tiny_model,
     streamed_greedy_completion,

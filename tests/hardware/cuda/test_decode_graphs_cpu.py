@@ -20,7 +20,8 @@ from runtime import LLM, SamplingParams
 from runtime import plugins
 from runtime_cpu.platform import CpuPlatform
 
-from cuda_tiny import build_untokenized_model, check_logprobs_close, check_outputs_equal, make_prompts, reference_outputs
+from runtime.testing.models import build_untokenized_model
+from runtime.testing.reference import check_logprobs_close, check_outputs_equal, make_prompts, reference_outputs
 
 # The Triton backend runs here on CPU tensors, which only the interpreter can do; where
 # Triton compiles for a GPU, test_cuda_llm_parity.py runs the same checks with real graphs.
@@ -39,6 +40,7 @@ class ReplayingCpuPlatform(CpuPlatform):
     name = "cpu-replay"
     priority = -1
     supports_graphs = True
+    compiles_graphs = False  # records graphs (capture_graph) instead of the CPU platform's compiled code
 
     def __init__(self):
         self.captured: list[int] = []
@@ -65,7 +67,7 @@ class ReplayPlugin:
 
     @hookimpl
     def register_attention_backends(self, register):
-        from runtime_cuda.triton_attention import TritonAttentionBackend
+        from runtime_kernels.attention_backend import TritonAttentionBackend
 
         register("triton-replay", TritonAttentionBackend, platforms=["cpu-replay"])
 
@@ -122,8 +124,8 @@ def test_enforce_eager_captures_nothing(reference, replay_platform):
 
 
 def test_graph_sizes_flag_is_validated():
-    from runtime.config import EngineArgs
-    from runtime.config_builder import graph_sizes
+    from runtime.engine_args import EngineArgs
+    from runtime.engine_args import graph_sizes
 
     assert graph_sizes(EngineArgs(model="m", max_num_seqs=20)) == (1, 2, 4, 8, 16, 20)
     assert graph_sizes(EngineArgs(model="m", cuda_graph_sizes=[8, 1, 64], max_num_seqs=32)) == (1, 8)

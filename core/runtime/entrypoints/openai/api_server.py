@@ -10,6 +10,7 @@ short grace period (``RUNTIME_ENGINE_DEATH_GRACE_S``, default 3 s).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -19,20 +20,24 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
-from runtime.config import EngineArgs, EngineConfig
+from runtime.config import EngineConfig
+from runtime.engine_args import EngineArgs
 from runtime.engine.core_client import EngineStartupError
 from runtime.entrypoints.openai import middleware
 from runtime.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
+from runtime.entrypoints.openai.limits import RequestLimits
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from runtime.entrypoints.openai.request_logger import DEFAULT_MAX_LOG_LEN, RequestLogger
 from runtime.entrypoints.openai.responses import ModelCard, ModelList
 from runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from runtime.entrypoints.openai.serving_engine import ServingContext
+from runtime.entrypoints.openai.shutdown import abort_requests_on_exit, stop_on_sigterm
 from runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from runtime.stat_logger import log_stats_interval
 
 logger = logging.getLogger("runtime.server")
 
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 _DEATH_GRACE_ENV = "RUNTIME_ENGINE_DEATH_GRACE_S"
 _READY_TIMEOUT_ENV = "RUNTIME_ENGINE_READY_TIMEOUT_S"
 
@@ -70,8 +75,9 @@ def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/health")
     async def health(request: Request):
-        if engine.is_dead:
-            return error_response(request, OpenAIError(f"the engine is not running: {engine.dead_error}", 503))
+        error = engine.probe_health()
+        if error is not None:
+            return error_response(request, OpenAIError(f"the engine is not running: {error}", 503))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -98,28 +104,34 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
+        body = completions.with_model_defaults(body)
         return await run_until_disconnect(request, completions.create_completion(body))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        body = chat.with_model_defaults(body)
         return await run_until_disconnect(request, chat.create_chat_completion(body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         completions.check_model(body.model)
-        tokens = _tokenize(chat, body)
+        tokens = await asyncio.to_thread(_tokenize, chat, body)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.model_config.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         completions.check_model(body.model)
-        if engine.tokenizer is None:
-            raise ValueError("detokenize needs a tokenizer; the server runs with skip_tokenizer_init")
-        vocab = engine.model_config.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"tokens: token id {bad} is out of range; valid ids are 0..{vocab - 1}")
-        return {"prompt": engine.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(_detokenize, engine, body.tokens)}
+
+
+def _detokenize(engine, tokens: list[int]) -> str:
+    if engine.tokenizer is None:
+        raise ValueError("detokenize needs a tokenizer; the server runs with skip_tokenizer_init")
+    vocab = engine.model_config.vocab_size
+    bad = next((t for t in tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"tokens: token id {bad} is out of range; valid ids are 0..{vocab - 1}")
+    return engine.tokenizer.decode(tokens)
 
 
 def _tokenize(chat: OpenAIServingChat, body: TokenizeRequest) -> list[int]:
@@ -128,16 +140,33 @@ def _tokenize(chat: OpenAIServingChat, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ValueError("tokenize needs exactly one of prompt or messages")
     if body.messages is not None:
-        request = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+        request = ChatCompletionRequest(
+            messages=body.messages, tools=body.tools, tool_choice="none", add_generation_prompt=body.add_generation_prompt,
+        )
         return chat.render_prompt(request)["prompt_token_ids"]
-    return chat.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return chat.engine.input_processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+
+def serving_context(args, engine) -> ServingContext:
+    """The names the engine answers to and, unless ``--disable-log-requests``, a request logger."""
+    config = engine.model_config
+    names = list(getattr(config, "served_model_names", ()) or [config.served_model_name])
+    ctx = ServingContext(engine=engine, served_model_names=names)
+    if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None):
+        from runtime.entrypoints.openai.tool_parsers import get_tool_parser
+
+        ctx.tool_parser = get_tool_parser(args.tool_call_parser)
+    if getattr(args, "log_requests", False):
+        ctx.request_logger = RequestLogger(getattr(args, "max_log_len", DEFAULT_MAX_LOG_LEN))
+    return ctx
 
 
 def build_app(args, engine) -> FastAPI:
     """The FastAPI app over a started AsyncLLM; ``args`` are the ``runtime serve`` flags."""
     app = FastAPI(title="runtime OpenAI-compatible server", version=runtime_version())
     app.state.metrics = engine.metrics
-    ctx = ServingContext(engine=engine, served_model_names=[engine.model_config.served_model_name])
+    ctx = serving_context(args, engine)
+    ctx.limits = RequestLimits.from_args(args)
     install_error_handlers(app)
     _add_info_routes(app, ctx)
     _add_generation_routes(app, ctx)
@@ -150,8 +179,7 @@ def build_app(args, engine) -> FastAPI:
         app.add_middleware(middleware.ConcurrencyLimitMiddleware, metrics=metrics, max_requests=limit)
     if getattr(args, "api_key", None):
         app.add_middleware(middleware.APIKeyMiddleware, metrics=metrics, api_key=args.api_key)
-    max_body = getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
-    app.add_middleware(middleware.BodySizeLimitMiddleware, metrics=metrics, max_bytes=max_body)
+    app.add_middleware(middleware.BodySizeLimitMiddleware, metrics=metrics, max_bytes=ctx.limits.max_body_bytes)
     origins = [o.strip() for o in (getattr(args, "allowed_origins", "") or "").split(",") if o.strip()]
     if origins:
         app.add_middleware(
@@ -167,20 +195,47 @@ def run_server(args, engine_args: EngineArgs) -> int:
     """Serve until stopped; 0 after a clean stop, 1 if the engine failed to start or died."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     config = engine_args.create_engine_config()  # bad arguments raise ValueError here, before any process starts
+    stop_on_sigterm()
+    if getattr(args, "api_server_count", 1) > 1:
+        from runtime.entrypoints.openai.api_servers import run_api_servers
+
+        return run_api_servers(args, engine_args, config)
+    return run_event_loop(serve(args, engine_args, config))
+
+
+def run_event_loop(main) -> int:
+    """Run the coroutine ``main`` on uvloop where it is installed (else asyncio's loop); Ctrl-C gives 0."""
     try:
-        return asyncio.run(_serve(args, engine_args, config))
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(main)
     except KeyboardInterrupt:
         return 0
 
 
-async def _serve(args, engine_args: EngineArgs, config: EngineConfig) -> int:
+async def _log_stats_every(interval_s: float, engine) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        engine.metrics.stat_logger.log()
+
+
+async def serve(args, engine_args: EngineArgs, config: EngineConfig, sock=None, watchdog=None, **engine_kwargs) -> int:
+    """Start an AsyncLLM (``engine_kwargs`` go to it) and serve HTTP on ``sock`` (default: bind --host/--port)
+    until stopped, or until the coroutine ``watchdog`` returns."""
     import uvicorn
 
     from runtime.engine.async_llm import AsyncLLM
 
     timeout = float(os.environ.get(_READY_TIMEOUT_ENV, "600"))
+    stats_interval = None if engine_args.disable_log_stats else log_stats_interval()
+    engine_kwargs.setdefault("stream_interval", getattr(args, "stream_interval", 1))
     try:
-        engine = await AsyncLLM.start(engine_args, config, ready_timeout_s=timeout)
+        engine = await AsyncLLM.start(engine_args, config, ready_timeout_s=timeout, **engine_kwargs)
     except EngineStartupError as exc:
         print(f"runtime: error: the engine failed to start: {exc}", file=sys.stderr)
         return 1
@@ -195,10 +250,27 @@ async def _serve(args, engine_args: EngineArgs, config: EngineConfig) -> int:
         asyncio.get_running_loop().call_later(grace, setattr, server, "should_exit", True)
 
     engine.on_engine_dead(on_engine_dead)
-    logger.info("serving %s on http://%s:%d (engine pid %s)", config.model_config.served_model_name, args.host, args.port, engine.engine_pid)
+    pids = ", ".join(str(pid) for pid in engine.engine_pids)
+    logger.info("serving %s on http://%s:%d (engine pid %s)", config.model_config.served_model_name, args.host, args.port, pids)
+    if config.model_config.default_sampling_params:
+        logger.info("default sampling parameters from the model's generation config (--generation-config vllm "
+                    "ignores them): %s", config.model_config.default_sampling_params)
+    stats_task = asyncio.create_task(_log_stats_every(stats_interval, engine)) if stats_interval else None
+    # The startup heap (tokenizer, torch, transformers: about a million objects) lives until exit;
+    # frozen, full collections skip it, so a request that allocates much (a JSON body of many
+    # small lists) pauses the event loop about 3x less.
+    gc.collect()
+    gc.freeze()
+    stopping = asyncio.create_task(abort_requests_on_exit(server, engine))
+    if watchdog is not None:
+        watching = asyncio.create_task(watchdog)
+        watching.add_done_callback(lambda _: setattr(server, "should_exit", True))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
+        stopping.cancel()
+        if stats_task is not None:
+            stats_task.cancel()
         await engine.shutdown()
     if engine.is_dead:
         print(f"runtime: error: {engine.dead_error}", file=sys.stderr)

@@ -34,6 +34,7 @@ _TYPES = {
 }
 _PARAMS = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | {"logit_bias"}
 _FIRST_WORD = re.compile(r"^([a-z_]+)\b")
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
 class OpenAIError(Exception):
@@ -68,7 +69,7 @@ def from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, ValueError):
-        return OpenAIError(str(exc), 400, param=param_of(str(exc)))
+        return OpenAIError(str(exc), 400, param=getattr(exc, "param", None) or param_of(str(exc)))
     if isinstance(exc, EngineDeadError):
         return OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead")
     logger.error("internal error answering a request", exc_info=exc)
@@ -83,12 +84,29 @@ def error_response(request: Request | None, error: OpenAIError, headers: dict | 
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+def _most_specific(errors: list[dict]) -> dict:
+    """Of the errors of a union's forms, the one that got furthest (the form the client meant)."""
+    if not errors:
+        return {"loc": (), "msg": "invalid request"}
+    def progress(error: dict) -> tuple:
+        loc = error.get("loc", ())
+        is_right_type = not str(error.get("type", "")).endswith("_type")  # a value of the form's type, out of bounds
+        return len(loc), is_right_type, [p for p in loc if isinstance(p, int)]
+
+    return max(errors, key=progress)
+
+
+def _is_union_tag(part) -> bool:
+    """pydantic's name of a union member in an error location ("list[constrained-int]", "str")."""
+    return isinstance(part, str) and (any(c in part for c in "[]-") or part in _UNION_TAGS)
+
+
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    first = _most_specific(list(exc.errors()))
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return error_response(request, OpenAIError(f"the request body is not valid JSON: {detail}", 400))
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     param = ".".join(loc) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return error_response(request, OpenAIError(message, 400, param=param))

@@ -2,22 +2,36 @@
 
 Unknown fields are ignored, as OpenAI and vLLM do. Range checks live in
 SamplingParams, whose ValueErrors name the field; ``to_sampling_params``
-turns a request into one.
+turns a request into one. The models themselves only bound what must hold
+before anything runs (and what /openapi.json tells clients and fuzzers):
+integers fit in 64 bits, floats are finite, per-request lists are bounded.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from runtime.sampling_params import RequestOutputKind, SamplingParams
-
-MAX_LOGPROBS = 20  # OpenAI allows top_logprobs up to 20
-
-
-class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+from runtime.entrypoints.openai.protocol_base import (
+    Int64,
+    InvalidField,
+    LogitBias,
+    OpenAIBaseModel,
+    StopStrings,
+    StopTokenIds,
+    Texts,
+    TokenIdLists,
+    TokenIds,
+)
+from runtime.entrypoints.openai.protocol_structured import (
+    STRUCTURED_OUTPUT_FIELDS, ResponseFormat, StructuredOutputsRequest, schema_dict, structured_params,
+)
+from runtime.entrypoints.openai.protocol_tools import (
+    MAX_TOOLS, ChatTool, NamedToolChoice, ToolCallIn, named_tool_schema, required_tools_schema,
+)
+from runtime.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -29,27 +43,40 @@ class SamplingFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Int64 | None = None
+    stop: str | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    logit_bias: dict[str, float] | None = None
+    min_tokens: Int64 = 0
+    logit_bias: LogitBias | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation per tenant
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=4096)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's per-request backend choice: the server's backend is used
+    guided_whitespace_pattern: str | None = None  # vLLM's; no effect here
+    # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on a prefill instance; the
+    # prefill response's kv_transfer_params on a decode instance (a KV connector reads them).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -85,7 +112,80 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=parse_logit_bias(self.logit_bias),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            cache_salt=self.cache_salt,
+            structured_outputs=self.structured_output_params(),
+            extra_args=self._extra_args(),
         )
+
+    def _extra_args(self) -> dict | None:
+        if self.kv_transfer_params is None:
+            return None
+        if self.n != 1:
+            raise InvalidField("kv_transfer_params", f"kv_transfer_params needs n = 1, got n = {self.n}")
+        return {"kv_transfer_params": dict(self.kv_transfer_params)}
+
+    def structured_output_sources(self) -> list[str]:
+        """The request fields that ask for structured output (``response_format`` of type text does not)."""
+        sources = []
+        for name in STRUCTURED_OUTPUT_FIELDS:
+            value = getattr(self, name)
+            if value is None or (name == "response_format" and value.type == "text"):
+                continue
+            sources.append(name)
+        return sources
+
+    def structured_output_field(self) -> str | None:
+        """The one request field that asks for structured output, if any (errors about the
+        constraint name it); InvalidField if several do."""
+        sources = self.structured_output_sources()
+        if len(sources) > 1:
+            raise InvalidField(
+                sources[1], f"{' and '.join(sources)} each ask for structured output; set only one of them",
+            )
+        return sources[0] if sources else None
+
+    def structured_output_param(self) -> str | None:
+        """The request field (a dotted path) holding the constraint, named by errors about it
+        (a schema the guided backend cannot compile, no backend installed)."""
+        source = self.structured_output_field()
+        if source == "response_format" and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is not None and self.response_format.json_schema.schema_ is not None:
+                return "response_format.json_schema.schema"
+        if source == "structured_outputs":
+            so = self.structured_outputs
+            given = [k for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("grammar", so.grammar), ("json_object", so.json_object)) if v not in (None, False)]
+            return f"structured_outputs.{given[0]}" if len(given) == 1 else source
+        return source
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        """The constraint the request asks for, or None; InvalidField naming the field if it is
+        malformed or several fields ask for one."""
+        source = self.structured_output_field()
+        if source is None:
+            return None
+        if source == "response_format":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                return structured_params(source, json_object=True)
+            if fmt.json_schema is None:
+                raise InvalidField("response_format.json_schema",
+                                   "response_format.json_schema is required when response_format.type is 'json_schema'")
+            if fmt.json_schema.schema_ is None:  # OpenAI's schema is optional: any JSON object then
+                return structured_params(source, json_object=True)
+            return structured_params("response_format.json_schema.schema", json=fmt.json_schema.schema_)
+        if source == "structured_outputs":
+            so = self.structured_outputs
+            fields = dict(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object)
+            if isinstance(fields["json"], str):
+                fields["json"] = schema_dict(fields["json"], "structured_outputs.json")
+            given = [k for k, v in fields.items() if v not in (None, False)]
+            param = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
+            return structured_params(param, **fields)
+        if source == "guided_json":
+            return structured_params(source, json=schema_dict(self.guided_json, source))
+        kind = source.removeprefix("guided_")
+        return structured_params(source, **{kind: getattr(self, source)})
 
     @property
     def include_usage(self) -> bool:
@@ -108,18 +208,21 @@ def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
 
 
 def _check_logprobs(name: str, value: int | None) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+    # The upper bound is the server's --max-logprobs (default 20, OpenAI's limit),
+    # checked with the engine's limits; here only the sign.
+    if value is not None and value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value}")
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | Texts | TokenIds | TokenIdLists
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    prompt_logprobs: int | None = None
+    best_of: Int64 | None = None
+    prompt_logprobs: Int64 | None = None
+    return_token_ids: bool = False  # vLLM's: choices carry token_ids (and prompt_token_ids when not streamed)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -149,6 +252,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]
+        if self.kv_transfer_params is not None and len(prompt) > 1:
+            raise InvalidField("kv_transfer_params", f"kv_transfer_params needs one prompt, got {len(prompt)}")
         return list(prompt)
 
 
@@ -156,38 +261,58 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=1024)] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as a chat template expects it: content as one string."""
+        """The message as a chat template expects it: content as one string; tool call arguments
+        as objects (templates serialize them themselves)."""
         content = self.content
         if isinstance(content, list):
             texts = []
             for part in content:
                 if part.get("type") != "text":
                     raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
-                texts.append(part.get("text", ""))
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise ValueError(f"messages: the 'text' of a text content part must be a string, got {type(text).__name__}")
+                texts.append(text)
             content = "\n".join(texts)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
         return message
 
 
-class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template gets the text
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; "required" may give several calls, a named choice one
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -198,11 +323,71 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs needs logprobs=true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def tool_mode(self) -> str:
+        """How tools are used: "none", "auto", "required" or "named" (OpenAI's default: "auto"
+        with tools, "none" without)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
+    def named_tool(self) -> ChatTool | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next(t for t in self.tools or () if t.function.name == self.tool_choice.function.name)
+
+    def check_tools(self) -> None:
+        """The tools and tool choice make sense together; InvalidField naming the field if not."""
+        names = [t.function.name for t in self.tools or ()]
+        duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if duplicate is not None:
+            raise InvalidField("tools", f"tools: the function name {duplicate!r} is given more than once")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise InvalidField("tool_choice", "tool_choice needs tools: the request has no tools to choose from")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in names:
+                raise InvalidField(
+                    "tool_choice",
+                    f"tool_choice names the function {name!r}, which is not among the tools; valid: {', '.join(names)}",
+                )
+        if self.tool_mode in ("required", "named"):
+            source = self.structured_output_sources()
+            if source:
+                raise InvalidField(
+                    source[0], f"tool_choice {self._tool_choice_text()} and {source[0]} both constrain the output; set only one",
+                )
+
+    def _tool_choice_text(self) -> str:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return f"(function {self.tool_choice.function.name!r})"
+        return repr(self.tool_choice)
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        mode = self.tool_mode
+        if mode == "named":
+            self.check_tools()
+            return structured_params("tools", json=named_tool_schema(self.named_tool()))
+        if mode == "required":
+            self.check_tools()
+            return structured_params("tools", json=required_tools_schema(self.tools))
+        return super().structured_output_params()
+
+    def structured_output_field(self) -> str | None:
+        if self.tool_mode in ("named", "required"):
+            return "tools"
+        return super().structured_output_field()
+
     def check_supported(self) -> None:
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format type {self.response_format.type!r} is not supported; only 'text'")
-        if self.tools:
-            raise ValueError("tools are not supported")
+        self.check_tools()
+        if self.chat_template_kwargs and "chat_template" in self.chat_template_kwargs:
+            raise ValueError(
+                "chat_template_kwargs may not set 'chat_template': a request cannot bring its own template "
+                "(it would run on the server); the server renders with the model's template"
+            )
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
 
@@ -211,10 +396,11 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None  # rendered by the chat template
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+import msgspec
+from pydantic import BaseModel, Field, model_serializer
 
 
 def _now() -> int:
@@ -77,9 +77,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -99,9 +111,30 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class _WithoutNones(BaseModel):
+    """Dumped without its unset (None) fields, as OpenAI's tool-call deltas are."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nones(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_WithoutNones):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNones):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -136,13 +169,33 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def sse_event(payload: BaseModel | dict[str, Any], include_usage: bool = True) -> str:
+_json = msgspec.json.Encoder()  # UTF-8 as it is (ensure_ascii=False), about 10x json.dumps of a model_dump
+
+
+def sse_event(payload: BaseModel | dict[str, Any], include_usage: bool = True) -> bytes:
     """One server-sent event; ``usage`` is dropped unless the client asked for it."""
     if isinstance(payload, BaseModel):
-        data = payload.model_dump(exclude={"usage"} if not include_usage else None)
-    else:
-        data = payload
-    return f"data: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
+        payload = payload.model_dump(exclude={"usage"} if not include_usage else None)
+    return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
+class StreamChunks:
+    """The SSE events of one stream, as plain dicts: the per-token path builds no pydantic model.
+
+    The fields are those of ``CompletionResponse`` / ``ChatCompletionChunk`` dumped, in their order;
+    ``id``, ``created`` and ``model`` are the same in every chunk of a stream, as in OpenAI's.
+    """
+
+    __slots__ = ("_head",)
+
+    def __init__(self, request_id: str, model: str, object_name: str):
+        self._head = {"id": request_id, "object": object_name, "created": _now(), "model": model}
+
+    def event(self, choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> bytes:
+        chunk = {**self._head, "choices": choices}
+        if usage is not None:
+            chunk["usage"] = usage.model_dump()
+        return b"data: " + _json.encode(chunk) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

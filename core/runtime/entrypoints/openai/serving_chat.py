@@ -2,77 +2,146 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.entrypoints.openai.errors import from_exception
-from runtime.entrypoints.openai.protocol import ChatCompletionRequest
+from runtime.entrypoints.openai.prompt_inputs import checked_input
+from runtime.entrypoints.openai.protocol import ChatCompletionRequest, InvalidField
 from runtime.entrypoints.openai.responses import (
     SSE_DONE,
     ChatChoice,
     ChatChoiceLogprobs,
-    ChatCompletionChunk,
     ChatCompletionResponse,
     ChatMessageOut,
     ChatStreamChoice,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    StreamChunks,
+    ToolCallOut,
     TopLogprob,
     UsageInfo,
     sse_event,
 )
-from runtime.entrypoints.openai.serving_engine import OpenAIServing, clamp_logprob, prepend, top_entries
+from runtime.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    add_kv_transfer_fields,
+    clamp_logprob,
+    prepend,
+    structured_output_error,
+    top_entries,
+)
+from runtime.entrypoints.openai.tool_parsers import ToolCallDelta, ToolParser, tool_parser_names
+from runtime.entrypoints.openai.tool_parsers.constrained import NamedToolCalls, RequiredToolCalls
 from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    logprobs_field = "top_logprobs"
+
     async def create_chat_completion(self, request: ChatCompletionRequest):
         model = self.check_model(request.model)
         request.check_supported()
+        self._check_tool_choice(request)
         params = request.to_sampling_params()
-        prompt = self.render_prompt(request)
+        self.ctx.limits.check_n(request.n)
+        prompt = await asyncio.to_thread(self._checked_prompt, request, params)  # templating and tokenizing
         request_id = self.new_request_id("chatcmpl")
-        first, rest = await self.start(prompt, params, request_id, request.priority)
+        try:
+            first, rest = await self.start(prompt, params, request_id, request.priority)
+        except ValueError as exc:
+            raise structured_output_error(exc, params, request.structured_output_param()) from None
         stream = prepend(first, rest)
         if request.stream:
             return StreamingResponse(self._stream(request, model, request_id, stream), media_type="text/event-stream")
         final = None
         async for output in stream:
             final = output
-        return JSONResponse(self._response(request, model, request_id, final).model_dump())
+        # Built and encoded in a worker thread: with n choices of logprobs it can be megabytes.
+        return await asyncio.to_thread(self._json_response, request, model, request_id, final)
+
+    def _json_response(self, request: ChatCompletionRequest, model: str, request_id: str, final) -> JSONResponse:
+        body = self._response(request, model, request_id, final).model_dump()
+        if request.kv_transfer_params is not None:
+            add_kv_transfer_fields(body, final)
+        return JSONResponse(body)
+
+    def _check_tool_choice(self, request: ChatCompletionRequest) -> None:
+        if request.tool_mode == "auto" and request.tools and self.ctx.tool_parser is None:
+            what = "tools without tool_choice (which means \"auto\")" if request.tool_choice is None else 'tool_choice "auto"'
+            raise InvalidField(
+                "tool_choice",
+                f"{what} needs the server started with --enable-auto-tool-choice --tool-call-parser NAME "
+                f"(parsers: {', '.join(tool_parser_names())}); or set tool_choice to \"none\", \"required\" "
+                "or a named function",
+            )
+
+    def tool_call_reader(self, request: ChatCompletionRequest) -> ToolParser | None:
+        """A fresh reader of one choice's tool calls, or None when the request's output has none."""
+        mode = request.tool_mode
+        if not request.tools or mode == "none":
+            return None
+        if mode == "named":
+            return NamedToolCalls(request.named_tool().function.name)
+        if mode == "required":
+            return RequiredToolCalls()
+        return self.ctx.tool_parser(self.tokenizer)
 
     def render_prompt(self, request: ChatCompletionRequest) -> dict:
         """The templated conversation as ``{"prompt_token_ids", "prompt"}`` (no second BOS)."""
         messages = [m.to_template_dict() for m in request.messages]
+        processor = self.engine.input_processor
+        for message in messages:  # before templating: a text too long to fit is refused unread
+            processor.check_text(message["content"], "messages")
         kwargs = dict(request.chat_template_kwargs or {})
         if request.continue_final_message:
             kwargs["continue_final_message"] = True
-        processor = self.engine.input_processor
+        if request.tools:
+            kwargs["tools"] = [tool.model_dump(by_alias=True, exclude_none=True) for tool in request.tools]
         try:
             text = processor.apply_chat_template(messages, request.add_generation_prompt, **kwargs)
         except ValueError:
             raise
         except Exception as exc:  # jinja errors: a conversation the template rejects
             raise ValueError(f"messages could not be rendered by the chat template: {exc}") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = processor.encode(text, add_special_tokens=False, field="messages")
         return {"prompt_token_ids": ids, "prompt": text}
+
+    def _checked_prompt(self, request: ChatCompletionRequest, params: SamplingParams) -> dict:
+        prompt = self.render_prompt(request)
+        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        return checked_input(self.engine.input_processor, prompt["prompt_token_ids"], prompt["prompt"], params, param)
 
     # ---------------------------------------------------------------- unary
     def _response(
         self, request: ChatCompletionRequest, model: str, request_id: str, final: RequestOutput | None
     ) -> ChatCompletionResponse:
         assert final is not None and final.finished, "a chat stream ended unfinished"
-        choices = [
-            ChatChoice(
+        choices = []
+        for output in final.outputs:
+            message, finish_reason = ChatMessageOut(content=output.text), output.finish_reason
+            reader = self.tool_call_reader(request)
+            if reader is not None:
+                content, calls = reader.extract_tool_calls(output.text)
+                tool_calls = [
+                    ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+                    for call in calls
+                ]
+                message = ChatMessageOut(content=content, tool_calls=tool_calls)
+                finish_reason = _finish_reason(finish_reason, bool(calls))
+            choices.append(ChatChoice(
                 index=output.index,
-                message=ChatMessageOut(content=output.text),
+                message=message,
                 logprobs=self._logprobs(request, output),
-                finish_reason=output.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=output.stop_reason,
-            )
-            for output in final.outputs
-        ]
+            ))
         num_generated = sum(len(o.token_ids) for o in final.outputs)
         usage = UsageInfo.of(len(final.prompt_token_ids or ()), num_generated)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
@@ -101,38 +170,70 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         num_prompt = num_generated = 0
         continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        readers = {index: self.tool_call_reader(request) for index in range(request.n)}
+        chunks = StreamChunks(request_id, model, "chat.completion.chunk")
         try:
             for index in range(request.n):
                 role = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-                yield sse_event(ChatCompletionChunk(id=request_id, model=model, choices=[role]), include_usage=False)
+                yield chunks.event([role.model_dump()])
             async for output in stream:
                 num_prompt = len(output.prompt_token_ids or ())
                 for completion in output.outputs:
                     num_generated += len(completion.token_ids)
-                    choice = self._stream_choice(request, completion)
-                    if choice is None:
-                        continue
-                    chunk = ChatCompletionChunk(id=request_id, model=model, choices=[choice])
-                    if continuous:
-                        chunk.usage = UsageInfo.of(num_prompt, num_generated)
-                    yield sse_event(chunk, include_usage=continuous)
+                    choice = self._stream_choice(request, completion, readers.get(completion.index))
+                    if choice is not None:
+                        yield chunks.event([choice], UsageInfo.of(num_prompt, num_generated) if continuous else None)
             if request.include_usage:
-                final = ChatCompletionChunk(id=request_id, model=model, choices=[], usage=UsageInfo.of(num_prompt, num_generated))
-                yield sse_event(final)
+                yield chunks.event([], UsageInfo.of(num_prompt, num_generated))
         except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
             yield sse_event(from_exception(exc).body())
         finally:
             await stream.aclose()
         yield SSE_DONE
 
-    def _stream_choice(self, request: ChatCompletionRequest, completion: CompletionOutput) -> ChatStreamChoice | None:
+    def _stream_choice(
+        self, request: ChatCompletionRequest, completion: CompletionOutput, reader: ToolParser | None = None
+    ) -> dict | None:
+        """The streamed choice (a dict as ``ChatStreamChoice`` dumps) of one new output; None for nothing new."""
+        if reader is None and not request.logprobs:  # the common case, without building models
+            if not completion.text and completion.finish_reason is None:
+                return None
+            return {
+                "index": completion.index, "delta": {"role": None, "content": completion.text or None, "tool_calls": None},
+                "logprobs": None, "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+            }
         logprobs = self._logprobs(request, completion) if completion.token_ids else None
-        if not completion.text and logprobs is None and completion.finish_reason is None:
+        content, tool_calls, finish_reason = completion.text, None, completion.finish_reason
+        if reader is not None:
+            content, deltas = reader.extract_tool_calls_streaming(completion.text)
+            if finish_reason is not None:
+                tail, last = reader.finish()
+                content = (content or "") + (tail or "") or None
+                deltas = deltas + last
+                finish_reason = _finish_reason(finish_reason, reader.num_streamed_calls > 0)
+            tool_calls = [_delta_tool_call(d) for d in deltas] or None
+        if not content and tool_calls is None and logprobs is None and finish_reason is None:
             return None
+        if content or tool_calls or logprobs:
+            delta = DeltaMessage(content=content or None if reader is not None else content, tool_calls=tool_calls)
+        else:
+            delta = DeltaMessage()
         return ChatStreamChoice(
             index=completion.index,
-            delta=DeltaMessage(content=completion.text) if completion.text or logprobs else DeltaMessage(),
+            delta=delta,
             logprobs=logprobs,
-            finish_reason=completion.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
-        )
+        ).model_dump()
+
+
+def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended normally with calls."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def _delta_tool_call(delta: ToolCallDelta) -> DeltaToolCall:
+    function = DeltaFunctionCall(name=delta.name, arguments=delta.arguments)
+    return DeltaToolCall(
+        index=delta.index, id=delta.id, type="function" if delta.id is not None else None, function=function,
+    )

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from runtime.entrypoints.openai.errors import from_exception
+from runtime.entrypoints.openai.prompt_inputs import tokenize_prompts
 from runtime.entrypoints.openai.protocol import CompletionRequest
 from runtime.entrypoints.openai.responses import (
     SSE_DONE,
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    StreamChunks,
     UsageInfo,
     sse_event,
 )
-from runtime.entrypoints.openai.serving_engine import OpenAIServing, clamp_logprob, merge_streams, prepend, top_entries
+from runtime.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    add_kv_transfer_fields,
+    clamp_logprob,
+    merge_streams,
+    prepend,
+    structured_output_error,
+    top_entries,
+)
 from runtime.outputs import CompletionOutput, RequestOutput
 
 
@@ -26,8 +37,13 @@ class OpenAIServingCompletion(OpenAIServing):
         request.check_supported()
         params = request.to_sampling_params()
         prompts = request.prompts()
+        self.ctx.limits.check_n(request.n, len(prompts))
+        inputs = await asyncio.to_thread(tokenize_prompts, self.engine.input_processor, prompts, params)
         request_id = self.new_request_id("cmpl")
-        started = await self.start_all(prompts, params, request_id, request.priority)
+        try:
+            started = await self.start_all(inputs, params, request_id, request.priority)
+        except ValueError as exc:
+            raise structured_output_error(exc, params, request.structured_output_param()) from None
         streams = [prepend(first, rest) for first, rest in started]
         if request.stream:
             body = self._stream(request, model, request_id, streams)
@@ -35,7 +51,19 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: list[RequestOutput | None] = [None] * len(streams)
         async for index, output in merge_streams(streams):
             finals[index] = output
-        return JSONResponse(self._response(request, model, request_id, finals).model_dump())
+        # Built and encoded in a worker thread: with n choices of logprobs it can be megabytes.
+        return await asyncio.to_thread(self._json_response, request, model, request_id, finals)
+
+    def _json_response(self, request: CompletionRequest, model: str, request_id: str, finals) -> JSONResponse:
+        body = self._response(request, model, request_id, finals).model_dump()
+        if request.return_token_ids:  # vLLM's extension: the ids of each prompt and choice
+            for choice in body["choices"]:
+                final = finals[choice["index"] // request.n]
+                output = next(o for o in final.outputs if o.index == choice["index"] % request.n)
+                choice["prompt_token_ids"], choice["token_ids"] = final.prompt_token_ids, output.token_ids
+        if request.kv_transfer_params is not None:
+            add_kv_transfer_fields(body, finals[0])
+        return JSONResponse(body)
 
     # ---------------------------------------------------------------- unary
     def _response(
@@ -103,6 +131,8 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         num_prompt = num_generated = 0
         offsets: dict[int, int] = {}  # choice index -> text offset so far (for logprobs)
+        chunks = StreamChunks(request_id, model, "text_completion")
+        continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
         merged = merge_streams(streams)
         try:
             async for prompt_index, output in merged:
@@ -113,15 +143,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         num_prompt += len(output.prompt_token_ids or ())
                     num_generated += len(completion.token_ids)
                     choice = self._stream_choice(request, output, completion, index, first, offsets)
-                    if choice is None:
-                        continue
-                    chunk = CompletionResponse(id=request_id, model=model, choices=[choice])
-                    if request.stream_options and request.stream_options.continuous_usage_stats:
-                        chunk.usage = UsageInfo.of(num_prompt, num_generated)
-                    yield sse_event(chunk, include_usage=chunk.usage is not None)
+                    if choice is not None:
+                        yield chunks.event([choice], UsageInfo.of(num_prompt, num_generated) if continuous else None)
             if request.include_usage:
-                final = CompletionResponse(id=request_id, model=model, choices=[], usage=UsageInfo.of(num_prompt, num_generated))
-                yield sse_event(final)
+                yield chunks.event([], UsageInfo.of(num_prompt, num_generated))
         except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
             yield sse_event(from_exception(exc).body())
         finally:
@@ -131,7 +156,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _stream_choice(
         self, request: CompletionRequest, output: RequestOutput, completion: CompletionOutput,
         index: int, first: bool, offsets: dict[int, int],
-    ) -> CompletionChoice | None:
+    ) -> dict | None:
+        """The streamed choice (a dict as ``CompletionChoice`` dumps) of one new output; None for nothing new."""
         text = completion.text
         logprobs = None
         offset = offsets.get(index, 0)
@@ -146,9 +172,13 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = logprobs or CompletionLogprobs()
             self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, request.logprobs, offset)
         offsets[index] = offset + len(completion.text)
-        if not text and logprobs is None and completion.finish_reason is None:
+        has_ids = request.return_token_ids and completion.token_ids
+        if not text and logprobs is None and completion.finish_reason is None and not has_ids:
             return None
-        return CompletionChoice(
-            index=index, text=text, logprobs=logprobs,
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-        )
+        choice = {
+            "index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs is not None else None,
+            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
+        }
+        if request.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        return choice

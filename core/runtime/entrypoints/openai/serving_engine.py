@@ -8,7 +8,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from runtime.engine.input_processor import PromptType
-from runtime.entrypoints.openai.errors import OpenAIError
+from runtime.entrypoints.logprobs_limit import check_max_logprobs
+from runtime.entrypoints.openai.errors import OpenAIError, param_of
+from runtime.entrypoints.openai.limits import RequestLimits
+from runtime.entrypoints.openai.request_logger import RequestLogger
 from runtime.outputs import Logprob, RequestOutput
 from runtime.sampling_params import SamplingParams
 
@@ -21,6 +24,11 @@ class ServingContext:
 
     engine: object  # AsyncLLM (or anything with generate/abort/tokenizer/input_processor/model_config)
     served_model_names: list[str]
+    limits: RequestLimits = RequestLimits()  # --max-n, --max-choices-per-request
+    request_logger: RequestLogger | None = None  # None: requests are not logged
+    # --enable-auto-tool-choice with --tool-call-parser: the parser class reading tool_choice "auto"
+    # outputs; None: "auto" is refused
+    tool_parser: type | None = None
 
     @property
     def model_name(self) -> str:
@@ -28,6 +36,8 @@ class ServingContext:
 
 
 class OpenAIServing:
+    logprobs_field = "logprobs"  # the request field that becomes SamplingParams.logprobs, named in errors
+
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
         self.engine = ctx.engine
@@ -37,13 +47,21 @@ class OpenAIServing:
         return self.engine.tokenizer
 
     def check_model(self, name: str | None) -> str:
-        """The model name to answer with; 404 for a name this server does not serve."""
+        """The model name to answer with (the first served name, as vLLM); 404 for a name this server does not serve."""
         if name is None or name in self.ctx.served_model_names:
-            return name or self.ctx.model_name
+            return self.ctx.model_name
         raise OpenAIError(
             f"The model `{name}` does not exist; this server serves: {', '.join(self.ctx.served_model_names)}",
             404, param="model", code="model_not_found",
         )
+
+    def with_model_defaults(self, request):
+        """``request`` with the model's default sampling values (``--generation-config``) in the fields it leaves unset."""
+        defaults = self.engine.model_config.default_sampling_params
+        updates = {k: v for k, v in defaults.items() if k != "max_tokens" and getattr(request, k, None) is None}
+        if "max_tokens" in defaults and request.max_tokens is None and getattr(request, "max_completion_tokens", None) is None:
+            updates["max_tokens"] = defaults["max_tokens"]
+        return request.model_copy(update=updates) if updates else request
 
     @staticmethod
     def new_request_id(prefix: str) -> str:
@@ -56,6 +74,9 @@ class OpenAIServing:
 
         Returns the first output (None if the stream ended at once) and the generator for the rest.
         """
+        check_max_logprobs(params, self.engine.model_config.max_logprobs, self.logprobs_field)
+        if self.ctx.request_logger is not None:
+            self.ctx.request_logger.log(request_id, prompt, params)
         stream = self.engine.generate(prompt, params, request_id, priority)
         try:
             first = await stream.__anext__()
@@ -91,6 +112,24 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def add_kv_transfer_fields(body: dict, final: RequestOutput) -> None:
+    """A prefill/decode request's response (vLLM's fields): the KV connector's ``kv_transfer_params``
+    (where a decode instance pulls this prefill's KV), and the prompt tokens not computed here."""
+    body["kv_transfer_params"] = final.kv_transfer_params
+    if body.get("usage") is not None:
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": final.num_cached_tokens}
+
+
+def structured_output_error(exc: ValueError, params: SamplingParams, field: str | None) -> Exception:
+    """``exc`` from starting a request; one about its output constraint (a schema the guided
+    backend cannot compile, no backend installed) names the request field that asked for it."""
+    if params.structured_outputs is None or field is None or getattr(exc, "param", None):
+        return exc
+    if param_of(str(exc)) not in (None, "structured_outputs"):
+        return exc  # about another field (prompt, max_tokens, ...)
+    return OpenAIError(str(exc), 400, param=field)
 
 
 def clamp_logprob(value: float) -> float:

@@ -1,0 +1,364 @@
+"""The user-facing engine arguments and how they become a frozen ``EngineConfig``.
+
+``EngineArgs`` is the flat set of arguments with vLLM's names: ``LLM(**kwargs)`` and the
+CLI flags are both generated from its fields. :func:`build_engine_config` validates them,
+resolves the platform and the model, and builds the per-part configs of :mod:`runtime.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.config import (
+    _DTYPES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    parse_dtype,
+)
+from runtime.speculative_config import resolve_speculative_config
+from runtime.kv_transfer import (
+    OFFLOADING_CONNECTOR, PREEMPTION_MODES, kv_offload_fields, parse_transfer_config, resolve_kv_offload,
+)
+from runtime.model_loader.tokenizer import TOKENIZER_MODES
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def _arg(default, help: str, choices=None, kind: str | None = None, flag_aliases=()):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if kind is not None:
+        meta["kind"] = kind  # registry kind whose names are the valid values
+    if flag_aliases:
+        meta["aliases"] = tuple(flag_aliases)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument, with vLLM's names; CLI flags are generated from these."""
+
+    model: str = _arg("", "local Hugging Face folder or .gguf file")
+    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
+    tokenizer_mode: str = _arg(
+        "auto", "auto / hf: the fast tokenizer when there is one; slow: transformers' Python tokenizer",
+        choices=TOKENIZER_MODES,
+    )
+    trust_remote_code: bool = _arg(
+        False, "let transformers run the model folder's own Python code (auto_map) for its config and tokenizer; "
+        "the model itself always runs a built-in or plugin-registered architecture",
+    )
+    skip_tokenizer_init: bool = _arg(False, "run on token ids only, without a tokenizer")
+    chat_template: str | None = _arg(None, "chat template file, or the Jinja text itself (default: the tokenizer's)")
+    served_model_name: list[str] | str | None = _arg(
+        None, "model name(s) in the API; requests may use any, responses carry the first (default: the model path's name)"
+    )
+    generation_config: str = _arg(
+        "auto", "default sampling parameters: auto (the model's generation_config.json), vllm (none: neutral "
+        "defaults), or a folder holding a generation_config.json; a request's own values win",
+    )
+    max_logprobs: int = _arg(20, "most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    disable_log_stats: bool = _arg(False, "do not log throughput and scheduler stats periodically")
+    dtype: str = _arg("auto", "weight and activation dtype", choices=("auto",) + tuple(_DTYPES))
+    seed: int = _arg(0, "random seed for weights (dummy) and unseeded sampling")
+    max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
+    load_format: str = _arg("auto", "weight format", choices=LOAD_FORMATS)
+    quantization: str | None = _arg(None, "quantization method", kind="quant_method")
+    block_size: int = _arg(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
+    num_gpu_blocks_override: int | None = _arg(None, "number of KV cache blocks (overrides memory sizing)")
+    kv_cache_memory_bytes: int | None = _arg(None, "bytes of memory for the KV cache")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of device memory the engine may use")
+    kv_cache_dtype: str = _arg(
+        "auto", "KV cache storage dtype: auto (the model's) or fp8 / fp8_e4m3 (8-bit floats, unscaled)",
+        choices=("auto",) + tuple(KV_CACHE_DTYPES),
+    )
+    max_num_seqs: int = _arg(256, "maximum number of running requests")
+    max_num_batched_tokens: int | None = _arg(None, "token budget of one engine step")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
+    scheduling_policy: str = _arg("fcfs", "order of waiting requests", choices=SCHEDULING_POLICIES)
+    async_scheduling: bool = _arg(
+        False, "schedule each step while the device still runs the previous one (overlaps host work with the GPU)"
+    )
+    tensor_parallel_size: int = _arg(1, "number of tensor-parallel workers", flag_aliases=("-tp",))
+    pipeline_parallel_size: int = _arg(1, "number of pipeline stages (layers split across workers)", flag_aliases=("-pp",))
+    data_parallel_size: int = _arg(1, "number of engine replicas behind one front end", flag_aliases=("-dp",))
+    executor: str = _arg("uniproc", "executor", kind="executor", flag_aliases=("--distributed-executor-backend",))
+    platform: str | None = _arg(None, "hardware platform (default: first available)", kind="platform")
+    attention_backend: str | None = _arg(None, "attention backend (default: the platform's)", kind="attention_backend")
+    cpu_num_threads: int | None = _arg(None, "torch threads on the CPU platform")
+    enforce_eager: bool = _arg(False, "always run the model eagerly (no CUDA graphs)")
+    cuda_graph_sizes: list[int] | None = _arg(
+        None, "decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 ... up to max_num_seqs, at most 512)"
+    )
+    speculative_config: dict | str | None = _arg(
+        None, "speculative decoding, as JSON (vLLM's): {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; num_speculative_tokens in 1..16. Drafts are "
+        "verified exactly (greedy outputs are unchanged); async scheduling falls back to synchronous steps with it",
+    )
+    speculative_method: str | None = _arg(
+        None, "short for speculative_config's method (merged into it)", kind="proposer"
+    )
+    num_speculative_tokens: int | None = _arg(
+        None, "short for speculative_config's num_speculative_tokens (merged into it)"
+    )
+    kv_offload: str | None = _arg(None, "KV offload tiers in chain order: cpu, disk or cpu,disk (runtime-plugin-kv-offload)")
+    kv_offload_size: str | float | None = _arg(None, "each offload tier's capacity, e.g. 8GiB,64GiB (default 4GiB, 32GiB)")
+    kv_offload_dir: str | None = _arg(None, "directory of the disk offload tier's block files (kept across restarts)")
+    kv_offload_policy: str | None = _arg(None, "eviction policy of the cpu offload tier: lru or arc (default lru)")
+    kv_transfer_config: dict | str | None = _arg(None, "vLLM's spelling, JSON: {\"kv_connector\": \"OffloadingConnector\", "
+                                                 "\"kv_connector_extra_config\": {\"tiers\", \"size\", \"dir\", \"policy\"}}")
+    preemption_mode: str = _arg("recompute", "preempted requests' KV: recompute, or swap to the cpu tier", choices=PREEMPTION_MODES)
+    guided_decoding_backend: str | None = _arg(
+        None, "structured output (guided decoding) backend (default: outlines when runtime-plugin-outlines is installed)",
+        kind="guided_backend", flag_aliases=("--guided-backend",),
+    )
+    structured_output_compile_timeout: float = _arg(
+        60.0, "seconds a request's grammar may take to compile (from its arrival) before the request fails",
+    )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        valid = set(cls.field_names())
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        return build_engine_config(self)
+
+
+def _fail(name: str, value, allowed: str) -> ValueError:
+    return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_numbers(args: EngineArgs) -> None:
+    for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise _fail(name, value, "a positive integer")
+    for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+        value = getattr(args, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise _fail(name, value, "a positive integer or unset")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise _fail("gpu_memory_utilization", args.gpu_memory_utilization, "in (0, 1]")
+    timeout = args.structured_output_compile_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise _fail("structured_output_compile_timeout", timeout, "a positive number of seconds")
+    if not isinstance(args.max_logprobs, int) or args.max_logprobs < -1:
+        raise _fail("max_logprobs", args.max_logprobs, "an integer >= 0, or -1 for no limit")
+    for f in dataclasses.fields(args):
+        choices = f.metadata.get("choices")
+        value = getattr(args, f.name)
+        if choices and value not in choices:
+            raise ValueError(f"{f.name} {value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+DEFAULT_GUIDED_BACKEND = "outlines"
+
+
+def default_guided_backend(name: str | None) -> str | None:
+    """The chosen guided decoding backend, else outlines when it is installed, else None."""
+    if name is not None:
+        return name
+    from runtime.plugins import get_registry
+
+    return DEFAULT_GUIDED_BACKEND if DEFAULT_GUIDED_BACKEND in get_registry("guided_backend") else None
+
+
+def _check_plugin_choices(args: EngineArgs) -> None:
+    """Every plugin-provided choice must name something a plugin registered."""
+    from runtime.plugins import get_registry
+
+    for f in dataclasses.fields(args):
+        kind = f.metadata.get("kind")
+        value = getattr(args, f.name)
+        if kind and value is not None:
+            registry = get_registry(kind)
+            if value not in registry:
+                raise ValueError(f"--{f.name.replace('_', '-')}: " + registry.unknown_message(value))
+
+
+def _eos_token_ids(resolved) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(resolved, "generation_config", None), resolved.hf_config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is None:
+            continue
+        for token in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if token not in ids:
+                ids.append(int(token))
+    return tuple(ids)
+
+
+def _model_max_len(hf_config) -> int:
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return 2048
+
+
+MAX_DEFAULT_GRAPH_SIZE = 512
+
+
+def graph_sizes(args: EngineArgs) -> tuple[int, ...]:
+    """Decode batch sizes to capture: the user's list, or 1, 2, 4, every multiple of 8 and max_num_seqs (<= 512)."""
+    if args.enforce_eager:
+        return ()
+    if args.cuda_graph_sizes is not None:
+        bad = [s for s in args.cuda_graph_sizes if not isinstance(s, int) or s < 1]
+        if bad or not args.cuda_graph_sizes:
+            raise _fail("cuda_graph_sizes", args.cuda_graph_sizes, "a non-empty list of positive integers")
+        return tuple(sorted(set(s for s in args.cuda_graph_sizes if s <= args.max_num_seqs)))
+    limit = min(args.max_num_seqs, MAX_DEFAULT_GRAPH_SIZE)
+    return tuple(sorted({s for s in (1, 2, 4, *range(8, limit + 1, 8)) if s <= limit} | {limit}))
+
+
+def served_model_names(args: EngineArgs) -> tuple[str, ...]:
+    """The API names of the model: the given one(s), else the model path's last part."""
+    given = args.served_model_name
+    names = [given] if isinstance(given, str) else list(given or ())
+    if any(not isinstance(n, str) or not n for n in names):
+        raise _fail("served_model_name", given, "a non-empty name or a list of them")
+    return tuple(dict.fromkeys(names)) or (os.path.basename(os.path.normpath(args.model)),)
+
+
+def build_model_config(args: EngineArgs, platform) -> ModelConfig:
+    from runtime.model_loader import resolve_model
+    from runtime.model_loader.generation_defaults import default_sampling_params
+    from runtime.model_loader.tokenizer import load_chat_template
+    from runtime.quantization import build_quant_config, select_quant_method
+
+    if not args.model:
+        raise ValueError("model must be a local Hugging Face folder or .gguf file, got an empty value")
+    resolved = resolve_model(
+        args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code,
+        tokenizer_mode=args.tokenizer_mode,
+        chat_template=load_chat_template(args.chat_template) if args.chat_template is not None else None,
+    )
+    config_dtype = getattr(resolved.hf_config, "dtype", None) or getattr(resolved.hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = getattr(torch, config_dtype, None)
+    dtype = parse_dtype(args.dtype, config_dtype if isinstance(config_dtype, torch.dtype) else None)
+    if args.dtype == "auto":
+        dtype = platform.default_dtype(dtype)
+    if dtype not in platform.supported_dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in platform.supported_dtypes)
+        raise ValueError(f"dtype {dtype} is not supported on platform {platform.name!r}; supported: {names}")
+    derived = _model_max_len(resolved.hf_config)
+    max_model_len = args.max_model_len or derived
+    if max_model_len > derived:
+        raise ValueError(f"max_model_len {max_model_len} is larger than the model's maximum {derived}")
+    names = served_model_names(args)
+    quantization = select_quant_method(args.quantization, resolved.hf_config)
+    model_config = ModelConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=args.seed,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        served_model_name=names[0],
+        served_model_names=names,
+        max_logprobs=args.max_logprobs,
+        default_sampling_params=default_sampling_params(args.generation_config, resolved),
+        quantization=quantization,
+        resolved=resolved,
+        architecture=resolved.architecture,
+        gguf_file=resolved.gguf_file,
+        vocab_size=int(resolved.hf_config.vocab_size),
+        eos_token_ids=_eos_token_ids(resolved),
+    )
+    resolved.quant_config = build_quant_config(model_config, platform)  # the loader builds linears through it
+    return model_config
+
+
+def _names_offloading_connector(raw) -> bool:
+    return bool(raw) and parse_transfer_config(raw)["kv_connector"] == OFFLOADING_CONNECTOR
+
+
+def build_parallel_config(args: EngineArgs) -> ParallelConfig:
+    """The parallel layout; more than one worker (tensor x pipeline) runs on the multiproc
+    executor when the executor is left at its default, as vLLM picks ``mp`` then."""
+    executor = args.executor
+    world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+    if world_size > 1 and executor == "uniproc":
+        executor = "multiproc"
+    offload = bool(args.kv_offload) or _names_offloading_connector(args.kv_transfer_config)
+    if args.pipeline_parallel_size > 1 and offload:
+        raise ValueError(f"--kv-offload runs with tensor parallelism, not yet with pipeline parallelism "
+                         f"(pipeline_parallel_size {args.pipeline_parallel_size})")
+    if world_size > 1 and args.kv_transfer_config and not offload:
+        raise ValueError(f"--kv-transfer-config runs with one worker only for now, got {world_size} (tensor x pipeline parallel)")
+    return ParallelConfig(args.tensor_parallel_size, executor, args.pipeline_parallel_size, args.data_parallel_size)
+
+
+def build_engine_config(args: EngineArgs) -> EngineConfig:
+    from runtime.platforms import select_platform
+
+    _check_numbers(args)
+    _check_plugin_choices(args)
+    speculative_config = resolve_speculative_config(args)
+    kv_offload = resolve_kv_offload(args)
+    platform = select_platform(args.platform)
+    model_config = build_model_config(args, platform)
+    max_len = model_config.max_model_len
+    budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+    if not args.enable_chunked_prefill and budget < max_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_len}); "
+            "enable chunked prefill or raise the budget"
+        )
+    return EngineConfig(
+        model_config=model_config,
+        cache_config=CacheConfig(
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            **kv_offload_fields(kv_offload),
+            cache_dtype=args.kv_cache_dtype,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            policy=args.scheduling_policy,
+            async_scheduling=args.async_scheduling,
+            preemption_mode=args.preemption_mode,
+        ),
+        parallel_config=build_parallel_config(args),
+        device_config=DeviceConfig(
+            platform.name, args.attention_backend, args.cpu_num_threads, args.enforce_eager, graph_sizes(args)
+        ),
+        load_config=LoadConfig(args.load_format),
+        plugin_options={
+            "speculative_config": speculative_config,
+            "speculative_method": speculative_config["method"] if speculative_config else None,
+            "num_speculative_tokens": speculative_config["num_speculative_tokens"] if speculative_config else 0,
+            "guided_decoding_backend": default_guided_backend(args.guided_decoding_backend),
+            "structured_output_compile_timeout": args.structured_output_compile_timeout,
+        },
+    )

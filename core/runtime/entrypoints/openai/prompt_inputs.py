@@ -1,0 +1,34 @@
+"""A request's prompts as checked engine inputs ``{"prompt_token_ids", "prompt"}``.
+
+Tokenizing costs microseconds per character, so the serving layer runs these
+in a worker thread (``asyncio.to_thread``): a long prompt delays only its own
+request. Each input is checked against the context here, where the prompt's
+length is first known, so a request that cannot fit is a 400 before it runs.
+"""
+
+from __future__ import annotations
+
+from runtime.engine.input_processor import InputProcessor, PromptType
+from runtime.entrypoints.openai.limits import check_context_length
+from runtime.sampling_params import SamplingParams
+
+
+def checked_input(
+    processor: InputProcessor, prompt_token_ids: list[int], text: str | None, params: SamplingParams, max_tokens_param: str
+) -> dict:
+    """The engine input of one tokenized prompt; ValueError naming the field if it cannot run."""
+    processor.validate(prompt_token_ids, params)
+    max_model_len = processor.model_config.max_model_len
+    check_context_length(len(prompt_token_ids), params.max_tokens, max_model_len, max_tokens_param)
+    return {"prompt_token_ids": prompt_token_ids} if text is None else {"prompt_token_ids": prompt_token_ids, "prompt": text}
+
+
+def tokenize_prompts(
+    processor: InputProcessor, prompts: list[PromptType], params: SamplingParams, max_tokens_param: str = "max_tokens"
+) -> list[dict]:
+    """``checked_input`` of each prompt (text or token ids), in order."""
+    inputs = []
+    for prompt in prompts:
+        prompt_token_ids, text = processor.tokenize(prompt)
+        inputs.append(checked_input(processor, prompt_token_ids, text, params, max_tokens_param))
+    return inputs

@@ -1,0 +1,133 @@
+"""``runtime proxy``: an OpenAI-compatible front for prefill/decode disaggregation.
+
+Each completion or chat request goes to a prefill instance first, as it is but with
+``max_tokens=1``, no streaming and ``kv_transfer_params: {"do_remote_decode": true}``; the
+prefill response's ``kv_transfer_params`` (where its KV blocks wait) are added to the original
+request, which goes to a decode instance and is answered from there, streamed or not. Instances
+are picked round-robin. Requests that cannot be split (``n > 1``, several prompts) go to a decode
+instance alone, which then computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+_FORWARDED_HEADERS = ("authorization", "x-request-id")
+
+
+class Backends:
+    """The prefill and decode instances' base URLs, each taken in turn."""
+
+    def __init__(self, prefill: list[str], decode: list[str]):
+        if not prefill or not decode:
+            raise ValueError("runtime proxy needs at least one --prefill URL and one --decode URL")
+        self.prefill = [url.rstrip("/") for url in prefill]
+        self.decode = [url.rstrip("/") for url in decode]
+        self._prefill = itertools.cycle(self.prefill)
+        self._decode = itertools.cycle(self.decode)
+
+    def next_prefill(self) -> str:
+        return next(self._prefill)
+
+    def next_decode(self) -> str:
+        return next(self._decode)
+
+
+def prefill_body(body: dict) -> dict:
+    """The prefill instance's share of a request: its prompt, one token, KV kept for a remote decode."""
+    drop = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs", "echo")
+    out = {k: v for k, v in body.items() if k not in drop}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    return out
+
+
+def can_split(body: dict) -> bool:
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    return body.get("n", 1) in (1, None) and not (several and len(prompt) > 1)
+
+
+def build_app(backends: Backends) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if app.state.client is not None:
+            await app.state.client.aclose()
+
+    app = FastAPI(title="runtime proxy", lifespan=lifespan)
+    timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+    app.state.client = None
+
+    def client() -> httpx.AsyncClient:
+        if app.state.client is None:
+            app.state.client = httpx.AsyncClient(timeout=timeout)
+        return app.state.client
+
+    async def route(request: Request, path: str):
+        body = await request.json()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        if can_split(body) and body.get("kv_transfer_params") is None:
+            prefill = await client().post(backends.next_prefill() + path, json=prefill_body(body), headers=headers)
+            if prefill.status_code != 200:
+                return Response(prefill.content, prefill.status_code, media_type="application/json")
+            body = {**body, "kv_transfer_params": prefill.json().get("kv_transfer_params")}
+        upstream = client().build_request("POST", backends.next_decode() + path, json=body, headers=headers)
+        response = await client().send(upstream, stream=True)
+        if not body.get("stream") or response.status_code != 200:
+            content = await response.aread()
+            await response.aclose()
+            return Response(content, response.status_code, media_type=response.headers.get("content-type"))
+
+        async def relay():
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()  # a client that went away aborts the decode request too
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await route(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await route(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        response = await client().get(backends.decode[0] + "/v1/models", headers=dict(request.headers))
+        return Response(response.content, response.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health():
+        down = []
+        for url in backends.prefill + backends.decode:
+            try:
+                if (await client().get(url + "/health", timeout=5.0)).status_code != 200:
+                    down.append(url)
+            except httpx.HTTPError:
+                down.append(url)
+        if down:
+            return JSONResponse({"unhealthy": down}, status_code=503)
+        return Response(status_code=200)
+
+    return app
+
+
+def run_proxy(prefill: list[str], decode: list[str], host: str, port: int) -> None:
+    import uvicorn
+
+    app = build_app(Backends(prefill, decode))
+    logger.info("proxy on %s:%d: prefill %s, decode %s", host, port, ", ".join(prefill), ", ".join(decode))
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,212 @@
+"""Linear layers and embeddings, whole or split across the tensor-parallel ranks.
+
+Column-parallel layers keep ``1/tp`` of the output rows (their output stays split);
+row-parallel layers keep ``1/tp`` of the input columns and sum their outputs over the
+ranks (one all-reduce). The vocabulary of the embedding and the LM head is split in
+rows too, padded to a multiple of ``tp``. Each layer's :meth:`load_param` takes the whole
+checkpoint tensor and copies in the rank's part, so any weight source (safetensors,
+dequantized GGUF) loads unchanged. With one rank every layer is the plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.distributed import tp_all_reduce, tp_rank, tp_size
+from runtime.models.ops import lookup
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def kv_head_replicas(num_kv_heads: int, tp: int) -> int:
+    """How many ranks hold each KV head: 1, or ``tp / num_kv_heads`` when there are fewer heads than ranks."""
+    if tp <= num_kv_heads:
+        divide(num_kv_heads, tp, "the number of KV heads")
+        return 1
+    return divide(tp, num_kv_heads, "the tensor-parallel size, above the number of KV heads,")
+
+
+def one_row_linear(gemv):
+    """``F.linear``, with ``gemv`` (if given) for one-row inputs in 16-bit dtypes."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if gemv is not None and x.shape[0] == 1 and x.dtype != torch.float32:
+            return gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    return linear
+
+
+def copy_part(param: torch.Tensor, tensor: torch.Tensor, expected: tuple[int, ...], dim: int, start: int) -> None:
+    """Copy ``param.shape[dim]`` slices of the checkpoint's whole ``tensor`` (shape ``expected``) from ``start``."""
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(expected)}")
+    param.data.copy_(tensor.narrow(dim, start, param.shape[dim]))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that uses the platform's one-row kernel (``gemv``) for batch-1 steps.
+
+    A quantized layer (see :mod:`runtime.models.quantize`) has a ``quant_method``
+    (:class:`runtime.quantization.LinearMethod`) that owns its weights and computes it.
+    This one is whole on every rank (replicated).
+    """
+
+    quant_method = None  # runtime.quantization.LinearMethod of a quantized layer
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias=bias)
+        self._linear = one_row_linear(lookup("gemv"))
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+
+    @property
+    def output_sizes(self) -> list[int]:
+        """The fused projections' sizes in row order (one entry when not fused)."""
+        return [self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
+        return self._linear(x, self.weight, self.bias)
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's part of the checkpoint's whole ``tensor`` into ``param_name``."""
+        param = getattr(self, param_name)
+        copy_part(param, tensor, tuple(param.shape), 0, 0)
+
+
+class ColumnParallelLinear(Linear):
+    """Each rank holds ``out_features / tp`` consecutive output rows; the output stays split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(in_features, divide(out_features, tp_size(), "the output size"), bias)
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        param = getattr(self, param_name)
+        rows = param.shape[0]
+        copy_part(param, tensor, (rows * self.tp_size, *param.shape[1:]), 0, self.tp_rank * rows)
+
+
+class RowParallelLinear(Linear):
+    """Each rank holds ``in_features / tp`` input columns; outputs are summed over the ranks.
+
+    The input is the column-parallel output of the layer before (already split); the bias
+    is added once, by rank 0, before the sum.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__(divide(in_features, tp_size(), "the input size"), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        bias = self.bias if self.tp_rank == 0 else None
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, x, bias)
+        else:
+            out = self._linear(x, self.weight, bias)
+        return tp_all_reduce(out)
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        param = getattr(self, param_name)
+        if param_name == "bias" or self.tp_size == 1:
+            return super().load_param(param_name, tensor)
+        cols = param.shape[1]
+        copy_part(param, tensor, (param.shape[0], cols * self.tp_size), 1, self.tp_rank * cols)
+
+
+class MergedLinear(Linear):
+    """Several column-parallel projections of the same input stored as one matrix, rows stacked.
+
+    ``shard_sizes`` names each projection with its whole size (``{"q": ..., "k": ..., "v": ...}``)
+    in row order; each rank keeps its part of every projection. ``replicas`` gives the
+    projections whose parts are shared by several ranks (KV heads when there are fewer than
+    ranks). Checkpoints keep the projections apart, and :meth:`load_shard` copies one in place.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool, replicas: dict[str, int] | None = None):
+        tp, rank = tp_size(), tp_rank()
+        self.replicas = {shard: (replicas or {}).get(shard, 1) for shard in shard_sizes}
+        sizes = {s: divide(size * self.replicas[s], tp, f"the size of projection {s!r}") for s, size in shard_sizes.items()}
+        super().__init__(in_features, sum(sizes.values()), bias=bias)
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard, size in sizes.items():
+            self.shard_offsets[shard] = (offset, size)
+            offset += size
+        self.shard_index = {s: rank // self.replicas[s] for s in sizes}  # which part of the whole projection
+
+    @property
+    def output_sizes(self) -> list[int]:
+        return [size for _, size in self.shard_offsets.values()]
+
+    def load_shard(self, param_name: str, shard: str, tensor: torch.Tensor) -> None:
+        param = getattr(self, param_name)
+        offset, size = self.shard_offsets[shard]
+        target = param.data.narrow(0, offset, size)
+        num_parts = self.tp_size // self.replicas[shard]
+        expected = (size * num_parts, *target.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"checkpoint shard {shard!r} of {param_name} has shape {tuple(tensor.shape)}, expected {expected}"
+            )
+        target.copy_(tensor.narrow(0, self.shard_index[shard] * size, size))
+
+
+def vocab_shard(vocab_size: int) -> tuple[int, int]:
+    """``(first row, rows per rank)`` of this rank's part of a vocabulary padded to a multiple of tp."""
+    rows = -(-vocab_size // tp_size())
+    return tp_rank() * rows, rows
+
+
+def load_vocab_rows(param: torch.Tensor, tensor: torch.Tensor, start: int, vocab_size: int) -> None:
+    """Copy rows ``start..`` of the checkpoint's ``[vocab, hidden]`` tensor; padding rows get zeros."""
+    expected = (vocab_size, param.shape[1])
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {expected}")
+    count = max(0, min(param.shape[0], vocab_size - start))
+    param.data[:count].copy_(tensor.narrow(0, start, count))
+    param.data[count:].zero_()
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Token embeddings, each rank holding a slice of the vocabulary; lookups are summed over ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        self.vocab_size = vocab_size
+        self.vocab_start, rows = vocab_shard(vocab_size)
+        super().__init__(rows, hidden_size)
+        self.tp_size = tp_size()
+
+    def reset_parameters(self) -> None:
+        """Nothing: the weights come from the checkpoint (or the dummy init). ``nn.Embedding``'s
+        random init on the meta device would import ``torch._dynamo``, seconds in a fresh worker."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        hidden = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return tp_all_reduce(hidden * mine.unsqueeze(-1).to(hidden.dtype))
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        load_vocab_rows(self.weight, tensor, self.vocab_start, self.vocab_size)
+
+
+class ParallelLMHead(Linear):
+    """The output projection, each rank holding the rows of its vocabulary slice (as the embedding)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.vocab_start, rows = vocab_shard(vocab_size)
+        super().__init__(hidden_size, rows, bias=False)
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        if self.tp_size == 1:
+            return super().load_param(param_name, tensor)
+        load_vocab_rows(self.weight, tensor, self.vocab_start, self.vocab_size)

@@ -1,0 +1,363 @@
+"""Speculative decoding's verification: the rejection sampler.
+
+A proposer drafted ``k_i`` tokens for request ``i``; the target model ran on ``1 + k_i``
+positions of it. The rejection sampler keeps the longest prefix of drafts the target
+agrees with and adds one token of the target's own, so a request emits between 1 and
+``k_i + 1`` tokens per step, distributed exactly as if the target had sampled them one by
+one (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating LLM decoding with speculative sampling").
+
+Layout (vLLM V1's): requests in batch order, request ``i`` with ``k_i >= 0`` drafts.
+
+* ``logits`` [sum(k_i + 1), V]: request ``i`` owns rows ``row_start[i] .. row_start[i] + k_i``
+  where ``row_start[i] = sum_{j<i} (k_j + 1)``; its row ``row_start[i] + j`` (j < k_i) is the
+  target's distribution for draft ``j``, its last row the one for the bonus token.
+* ``draft_token_ids`` [sum(k_i)]: the drafts, request-major (request ``i``'s drafts start at
+  ``cu_num_draft_tokens[i - 1]``, the exclusive prefix sum of ``num_draft_tokens``).
+* ``draft_probs`` [sum(k_i), V] or None: the proposal distribution q of each draft, rows as
+  ``draft_token_ids``; None means q = 1 for the drafted token (ngram, greedy drafts).
+* ``metadata``: the :class:`SamplingMetadata` of the requests, one row per request, the same
+  as the normal :class:`Sampler` gets (``generators`` keyed by request row).
+
+The target distribution p of every position is processed exactly as the :class:`Sampler`
+processes a row: logit_bias, the min_tokens mask and the penalties (position ``j`` counts the
+request's first ``j`` drafts as output tokens, as sequential decoding would), then for random
+rows temperature, top-k, top-p (the platform's ``top_k_top_p`` op under the same condition)
+and min-p. Greedy rows (temperature below ``MIN_TEMPERATURE``) take the argmax of the
+processed logits.
+
+* Greedy request: drafts are kept while each equals the target's argmax at its position; the
+  first mismatch is replaced by the argmax; when all match, the argmax of the bonus row follows.
+* Random request: draft ``x`` at position ``j`` is accepted with probability
+  ``min(1, p_j(x) / q_j(x))``; at the first rejection the token is drawn from
+  ``normalize(max(p_j - q_j, 0))`` and the rest are dropped; when all are accepted the bonus
+  token is drawn from ``p_k``. A seeded request draws its uniforms (one per draft) and its
+  final token's noise from its own generator only, so its tokens do not depend on the batch;
+  with no drafts it consumes the generator exactly as the :class:`Sampler` does (same token).
+
+Logprobs follow the :class:`Sampler`: the log_softmax of the logits as given (before
+penalties and temperature), one row per emitted token (see :class:`RejectionSamplerOutput`).
+
+One known approximation: ``SamplingMetadata`` carries the min_tokens stop mask, not the
+counts, so a request short of ``min_tokens`` has its stop tokens masked at all of its
+positions. It is exact when the caller drafts at most ``min_tokens - num_output_tokens - 1``
+tokens for such a request (see :func:`max_drafts_for_min_tokens`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime.sample.filters import (
+    MIN_TEMPERATURE,
+    random_sample,
+)
+from runtime.sample.logprobs import LogprobsTensors, gather_logprobs
+from runtime.sample.metadata import SamplingMetadata
+from runtime.sample.sampler import Sampler
+
+PLACEHOLDER_TOKEN_ID = -1  # fills output_token_ids after each request's emitted tokens
+
+
+@dataclass(slots=True)
+class RejectionSamplerOutput:
+    """What one verification step emits.
+
+    ``output_token_ids[i, :num_accepted[i]]`` are request ``i``'s accepted drafts and
+    ``output_token_ids[i, num_accepted[i]]`` the recovered token (first rejection, or the
+    target's argmax at a greedy mismatch) or the bonus token (all accepted); the rest of the
+    row is ``PLACEHOLDER_TOKEN_ID``.
+    """
+
+    output_token_ids: torch.Tensor  # [num_reqs, max_k + 1] int64
+    num_accepted: torch.Tensor  # [num_reqs] int64, accepted drafts (emitted = num_accepted + 1)
+    # One row per emitted token, request-major then position (request i contributes
+    # num_accepted[i] + 1 consecutive rows); K = metadata.max_num_logprobs. None if no row
+    # wants logprobs.
+    logprobs: LogprobsTensors | None
+
+    def token_lists(self) -> list[list[int]]:
+        """Each request's emitted tokens as a Python list (one device sync)."""
+        counts = (self.num_accepted + 1).tolist()
+        return [row[:n] for row, n in zip(self.output_token_ids.tolist(), counts)]
+
+
+@dataclass(slots=True)
+class SpecDecodeLayout:
+    """Index tensors of one step's flattened layout (see the module docstring)."""
+
+    num_draft_tokens: torch.Tensor  # [R] int64, k_i
+    cu_num_draft_tokens: torch.Tensor  # [R] int64, inclusive prefix sum of k_i (vLLM's)
+    draft_start: torch.Tensor  # [R] int64, index of request i's first draft
+    row_start: torch.Tensor  # [R] int64, request i's first logits row
+    draft_req: torch.Tensor  # [D] int64, request of each draft
+    draft_pos: torch.Tensor  # [D] int64, position of each draft within its request
+    draft_rows: torch.Tensor  # [D] int64, the logits row that verifies each draft
+    row_req: torch.Tensor  # [T] int64, request of each logits row
+    row_pos: torch.Tensor  # [T] int64, position of each logits row within its request
+    max_k: int
+    num_drafts: int  # D
+    num_rows: int  # T = D + R
+
+    @classmethod
+    def build(cls, num_draft_tokens: Sequence[int] | torch.Tensor, device: torch.device | str) -> SpecDecodeLayout:
+        counts = [int(k) for k in (num_draft_tokens.tolist() if torch.is_tensor(num_draft_tokens) else num_draft_tokens)]
+        bad = [k for k in counts if k < 0]
+        if bad:
+            raise ValueError(f"num_draft_tokens must be >= 0 for every request, got {bad[0]}")
+        num_reqs = len(counts)
+        num_drafts = sum(counts)
+        k = torch.tensor(counts, dtype=torch.int64, device=device)
+        cu = k.cumsum(0)
+        draft_start = cu - k
+        reqs = torch.arange(num_reqs, dtype=torch.int64, device=device)
+        row_start = draft_start + reqs
+        draft_req = reqs.repeat_interleave(k, output_size=num_drafts)
+        draft_pos = torch.arange(num_drafts, dtype=torch.int64, device=device) - draft_start[draft_req]
+        row_req = reqs.repeat_interleave(k + 1, output_size=num_drafts + num_reqs)
+        row_pos = torch.arange(num_drafts + num_reqs, dtype=torch.int64, device=device) - row_start[row_req]
+        return cls(
+            num_draft_tokens=k, cu_num_draft_tokens=cu, draft_start=draft_start, row_start=row_start,
+            draft_req=draft_req, draft_pos=draft_pos, draft_rows=row_start[draft_req] + draft_pos,
+            row_req=row_req, row_pos=row_pos, max_k=max(counts, default=0),
+            num_drafts=num_drafts, num_rows=num_drafts + num_reqs,
+        )
+
+
+def max_drafts_for_min_tokens(min_tokens: int, num_output_tokens: int, k: int) -> int:
+    """The most drafts that keep the min_tokens stop mask exact for a request this step."""
+    if num_output_tokens >= min_tokens:
+        return k
+    return max(0, min(k, min_tokens - num_output_tokens - 1))
+
+
+def flatten_drafts(
+    token_ids: list[list[int]], probs: torch.Tensor | None, device: torch.device | str
+) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """A proposer's :class:`runtime.spec_decode.DraftProposals` fields in this module's layout.
+
+    ``token_ids``: drafts per request; ``probs``: [num_reqs, k, V] or None. Returns
+    ``(draft_token_ids [D], num_draft_tokens, draft_probs [D, V] or None)``.
+    """
+    counts = [len(row) for row in token_ids]
+    flat = torch.tensor([t for row in token_ids for t in row], dtype=torch.int64).to(device)
+    if probs is None:
+        return flat, counts, None
+    if probs.dim() != 3 or probs.shape[0] != len(counts) or probs.shape[1] < max(counts, default=0):
+        raise ValueError(
+            f"draft probs must be [num_reqs={len(counts)}, k >= {max(counts, default=0)}, vocab_size], "
+            f"got {list(probs.shape)}"
+        )
+    layout = SpecDecodeLayout.build(counts, probs.device)
+    return flat, counts, probs[layout.draft_req, layout.draft_pos].to(device)
+
+
+def expand_metadata(
+    metadata: SamplingMetadata, layout: SpecDecodeLayout, draft_token_ids: torch.Tensor, vocab_size: int
+) -> SamplingMetadata:
+    """Per-request metadata -> per-position metadata ([T] rows, the logits' rows).
+
+    Every position repeats its request's parameters; position ``j`` sees the request's
+    output tokens followed by its first ``j`` drafts (penalties as in sequential decoding);
+    logit_bias and the min_tokens mask apply to every position of their request. The
+    result carries no generators (the rejection sampler draws per request).
+    """
+    idx = layout.row_req
+
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, idx)
+
+    output_ids = None
+    if metadata.output_token_ids is not None:
+        drafts = torch.full((metadata.num_rows, layout.max_k), vocab_size, dtype=torch.int64, device=idx.device)
+        drafts[layout.draft_req, layout.draft_pos] = draft_token_ids
+        drafts = drafts.index_select(0, idx)  # [T, max_k]
+        cols = torch.arange(layout.max_k, device=idx.device)
+        drafts = drafts.masked_fill(cols[None, :] >= layout.row_pos[:, None], vocab_size)
+        output_ids = torch.cat([take(metadata.output_token_ids), drafts], dim=1)
+
+    logit_bias = None
+    if metadata.logit_bias is not None:
+        rows, token_ids, values = metadata.logit_bias
+        new_rows, entry = _expand_entries(rows, layout)
+        logit_bias = (new_rows, token_ids[entry], values[entry])
+    min_tokens_mask = None
+    if metadata.min_tokens_mask is not None:
+        rows, token_ids = metadata.min_tokens_mask
+        new_rows, entry = _expand_entries(rows, layout)
+        min_tokens_mask = (new_rows, token_ids[entry])
+
+    return SamplingMetadata(
+        num_rows=layout.num_rows,
+        all_greedy=metadata.all_greedy,
+        all_random=metadata.all_random,
+        temperature=take(metadata.temperature),
+        top_k=take(metadata.top_k),
+        max_top_k=metadata.max_top_k,
+        top_p=take(metadata.top_p),
+        top_k_bounds_top_p=metadata.top_k_bounds_top_p,
+        min_p=take(metadata.min_p),
+        presence_penalties=take(metadata.presence_penalties),
+        frequency_penalties=take(metadata.frequency_penalties),
+        repetition_penalties=take(metadata.repetition_penalties),
+        prompt_token_ids=take(metadata.prompt_token_ids),
+        output_token_ids=output_ids,
+        logit_bias=logit_bias,
+        min_tokens_mask=min_tokens_mask,
+        generators={},
+        max_num_logprobs=metadata.max_num_logprobs,
+    )
+
+
+def _expand_entries(rows: torch.Tensor, layout: SpecDecodeLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request row of each entry) -> (logits row of each copy, entry of each copy), one copy per position."""
+    counts = layout.num_draft_tokens[rows] + 1  # [B]
+    entry = torch.arange(rows.shape[0], device=rows.device).repeat_interleave(counts)  # [B']
+    first = (counts.cumsum(0) - counts)[entry]
+    offset = torch.arange(entry.shape[0], device=rows.device) - first
+    return layout.row_start[rows[entry]] + offset, entry
+
+
+class RejectionSampler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # p of random rows comes from the Sampler's own filters (and the platform's top-k/top-p op
+        # when built inside a custom_ops_scope offering one).
+        self.sampler = Sampler()
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: torch.Tensor,
+        num_draft_tokens: Sequence[int] | torch.Tensor,
+        metadata: SamplingMetadata,
+        draft_probs: torch.Tensor | None = None,
+    ) -> RejectionSamplerOutput:
+        """Verify the drafts of one step; shapes and semantics in the module docstring.
+
+        logits: [sum(k_i + 1), V] any float dtype; draft_token_ids: [sum(k_i)] int;
+        num_draft_tokens: k_i per request (a list, or a CPU tensor); metadata: one row per
+        request; draft_probs: [sum(k_i), V] or None (q = 1 for the drafted token).
+        """
+        device = logits.device
+        layout = SpecDecodeLayout.build(num_draft_tokens, device)
+        self._check_inputs(logits, draft_token_ids, layout, metadata, draft_probs)
+        num_reqs = metadata.num_rows
+        vocab_size = logits.shape[1]
+        draft_token_ids = draft_token_ids.to(device=device, dtype=torch.int64)
+
+        logits = logits.to(torch.float32)
+        raw_logprobs = logits.log_softmax(dim=1) if metadata.max_num_logprobs is not None else None
+        rows_md = expand_metadata(metadata, layout, draft_token_ids, vocab_size)
+        logits = Sampler.process_logits(logits, rows_md)  # [T, V]
+
+        if metadata.all_greedy:
+            is_greedy = torch.ones(num_reqs, dtype=torch.bool, device=device)
+        else:
+            assert metadata.temperature is not None
+            is_greedy = metadata.temperature < MIN_TEMPERATURE  # [R]
+        argmax = None if metadata.all_random else logits.argmax(dim=1)  # [T]
+        probs = None if metadata.all_greedy else self.target_probs(logits, rows_md)  # [T, V]
+
+        # Accept or reject every draft at once; a request keeps the prefix before its first rejection.
+        accepted = torch.zeros(layout.num_drafts, dtype=torch.bool, device=device)
+        if argmax is not None:
+            accepted = draft_token_ids == argmax[layout.draft_rows]
+        if probs is not None:
+            p_draft = probs[layout.draft_rows, draft_token_ids]  # [D]
+            if draft_probs is None:
+                q_draft = torch.ones_like(p_draft)
+            else:
+                q_draft = draft_probs.to(torch.float32).gather(1, draft_token_ids[:, None]).squeeze(1)
+            uniform = self._uniforms(layout, metadata.generators)  # [D]
+            # u < p / q, written without a division: q = 0 accepts any p > 0, p = 0 never accepts.
+            random_accepted = uniform * q_draft < p_draft
+            accepted = torch.where(is_greedy[layout.draft_req], accepted, random_accepted)
+        accept_matrix = torch.zeros(num_reqs, max(layout.max_k, 1), dtype=torch.int64, device=device)
+        accept_matrix[layout.draft_req, layout.draft_pos] = accepted.to(torch.int64)
+        num_accepted = accept_matrix.cumprod(dim=1).sum(dim=1)  # [R]
+        final_rows = layout.row_start + num_accepted  # [R] the row of the recovered / bonus token
+
+        final = None if argmax is None else argmax[final_rows]
+        if probs is not None:
+            final_probs = probs[final_rows]  # [R, V]
+            rejected = num_accepted < layout.num_draft_tokens  # [R]
+            if layout.num_drafts > 0:
+                # q of the rejected draft (clamped index for requests that rejected none).
+                rejected_draft = (layout.draft_start + num_accepted).clamp(max=layout.num_drafts - 1)
+                if draft_probs is None:
+                    q = torch.zeros_like(final_probs)
+                    q.scatter_(1, draft_token_ids[rejected_draft][:, None], 1.0)
+                else:
+                    q = draft_probs.to(torch.float32)[rejected_draft]
+                residual = (final_probs - q).clamp(min=0.0)
+                # Rounding can leave no mass when p ~ q; p itself is then the residual's limit.
+                usable = rejected & (residual.sum(dim=1) > 0)
+                final_probs = torch.where(usable[:, None], residual, final_probs)
+            # random_sample draws from unnormalised weights (the exponential race is scale-free).
+            sampled = random_sample(final_probs, metadata.generators)  # [R]
+            final = sampled if final is None else torch.where(is_greedy, final, sampled)
+        assert final is not None
+
+        output = torch.full((num_reqs, layout.max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+        kept = layout.draft_pos < num_accepted[layout.draft_req]
+        output[layout.draft_req, layout.draft_pos] = torch.where(kept, draft_token_ids, PLACEHOLDER_TOKEN_ID)
+        output.scatter_(1, num_accepted[:, None], final[:, None])
+
+        logprobs = None
+        if raw_logprobs is not None:
+            emitted = (layout.row_pos <= num_accepted[layout.row_req]).nonzero().squeeze(1)  # [E]
+            chosen = output[layout.row_req[emitted], layout.row_pos[emitted]]
+            logprobs = gather_logprobs(raw_logprobs[emitted], metadata.max_num_logprobs, chosen)
+        return RejectionSamplerOutput(output_token_ids=output, num_accepted=num_accepted, logprobs=logprobs)
+
+    def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The random rows' distribution p: the Sampler's filters in the Sampler's order, then softmax.
+
+        logits: [N, V] float32 after :meth:`Sampler.process_logits`; metadata: one row per logits row.
+        """
+        return self.sampler.random_probs(logits, metadata)
+
+    @staticmethod
+    def _uniforms(layout: SpecDecodeLayout, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One U[0, 1) per draft; a seeded request's come from its own generator, in order."""
+        uniform = torch.empty(layout.num_drafts, dtype=torch.float32, device=layout.draft_req.device)
+        if len(generators) < layout.num_rows - layout.num_drafts:
+            uniform.uniform_()
+        if generators:
+            starts = layout.draft_start.tolist()
+            counts = layout.num_draft_tokens.tolist()
+            for row, generator in generators.items():
+                if counts[row]:
+                    uniform[starts[row] : starts[row] + counts[row]].uniform_(generator=generator)
+        return uniform
+
+    @staticmethod
+    def _check_inputs(
+        logits: torch.Tensor,
+        draft_token_ids: torch.Tensor,
+        layout: SpecDecodeLayout,
+        metadata: SamplingMetadata,
+        draft_probs: torch.Tensor | None,
+    ) -> None:
+        num_reqs = layout.num_rows - layout.num_drafts
+        if metadata.num_rows != num_reqs:
+            raise ValueError(f"metadata has {metadata.num_rows} rows for {num_reqs} requests (one row per request)")
+        if logits.dim() != 2 or logits.shape[0] != layout.num_rows:
+            raise ValueError(
+                f"logits must be [sum(num_draft_tokens) + num_reqs = {layout.num_rows}, vocab_size], "
+                f"got {list(logits.shape)}"
+            )
+        if draft_token_ids.dim() != 1 or draft_token_ids.shape[0] != layout.num_drafts:
+            raise ValueError(
+                f"draft_token_ids must be [sum(num_draft_tokens) = {layout.num_drafts}], got {list(draft_token_ids.shape)}"
+            )
+        if draft_probs is not None and tuple(draft_probs.shape) != (layout.num_drafts, logits.shape[1]):
+            raise ValueError(
+                f"draft_probs must be [sum(num_draft_tokens) = {layout.num_drafts}, vocab_size = {logits.shape[1]}], "
+                f"got {list(draft_probs.shape)}"
+            )

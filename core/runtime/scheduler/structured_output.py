@@ -1,0 +1,194 @@
+"""Grammars of constrained requests: compiled off the step loop, one bitmask per step.
+
+A request with ``structured_outputs`` waits for its grammar outside the scheduler's waiting
+queue. :class:`StructuredOutputManager` compiles each distinct (kind, spec) once in a thread
+pool (the guided backend itself is built there too, on first use: it reads the whole
+vocabulary) and gives each request its own :meth:`Grammar.fork`. A compile that fails, or
+that is still running when the request's time limit passes, fails that request with a
+ValueError naming the problem; the engine goes on with the others.
+
+Each step, :meth:`StructuredOutputManager.grammar_bitmask` gives the scheduled constrained
+requests their bitmask rows, to be filled with their grammars' allowed next tokens when the
+model runner asks for them: after it has queued the step's forward pass, so that the host
+fills them while the device computes (the grammars do not move in between: they advance in
+``update_from_output``, on the tokens that come back). The worker applies the bitmask to the
+logits on the device before sampling.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from runtime.scheduler.request import Request
+    from runtime.structured_output import DeferredBitmask, Grammar, GuidedBackend
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+NUM_COMPILE_THREADS = 2
+
+
+class RequestGrammar:
+    """One request's grammar: pending while it compiles, then its own fork."""
+
+    __slots__ = ("kind", "spec", "future", "deadline", "grammar", "ended")
+
+    def __init__(self, kind: str, spec: str, future: concurrent.futures.Future, deadline: float):
+        self.kind = kind
+        self.spec = spec
+        self.future = future  # -> the compiled grammar shared by every request with this spec
+        self.deadline = deadline  # time.monotonic() after which a pending compile fails the request
+        self.grammar: Grammar | None = None
+        self.ended = False  # the grammar completed on a content token and so ended the request
+
+
+class StructuredOutputManager:
+    """Compiles grammars in a thread pool, caches them by (kind, spec), fills bitmasks.
+
+    ``backend_factory()`` builds the :class:`GuidedBackend` (called once, in the pool);
+    ``vocab_size`` is the width of the model's logits.
+    """
+
+    def __init__(self, backend_factory: Callable[[], GuidedBackend], vocab_size: int, compile_timeout: float):
+        self.vocab_size = vocab_size
+        self.compile_timeout = compile_timeout
+        self._backend_factory = backend_factory
+        self._backend: GuidedBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool = self._new_pool()
+        self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
+        # Compiles of the current pool still running past a request's time limit. A thread cannot
+        # be stopped, so once they hold every thread of the pool, new compiles go to a new pool.
+        self._overdue: set[concurrent.futures.Future] = set()
+
+    @staticmethod
+    def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar-compile")
+
+    # ---------------------------------------------------------------- compile
+    def submit(self, kind: str, spec: str) -> RequestGrammar:
+        """Start (or join) the compile of (kind, spec) for one request."""
+        key = (kind, spec)
+        future = self._cache.get(key)
+        if future is None or future.cancelled():
+            future = self._pool.submit(self._compile, kind, spec)
+            self._cache[key] = future
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return RequestGrammar(kind, spec, future, time.monotonic() + self.compile_timeout)
+
+    def _compile(self, kind: str, spec: str) -> Grammar:
+        from runtime.structured_output import GuidedKind
+
+        start = time.perf_counter()
+        backend = self._get_backend()
+        grammar = backend.compile(GuidedKind(kind), spec)
+        logger.info("compiled a %s grammar in %.2f s", kind, time.perf_counter() - start)
+        return grammar
+
+    def _get_backend(self) -> GuidedBackend:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._backend_factory()
+            return self._backend
+
+    def poll(self, request_grammar: RequestGrammar) -> bool:
+        """True once the request's grammar is ready (forked onto it); False while it compiles.
+
+        Raises ValueError when the compile failed or the request's time limit passed.
+        """
+        if request_grammar.grammar is not None:
+            return True
+        future = request_grammar.future
+        if future.cancelled():  # queued behind runaway compiles in a pool since replaced: queue it again
+            request_grammar.future = self.submit(request_grammar.kind, request_grammar.spec).future
+            return False
+        if not future.done():
+            if time.monotonic() < request_grammar.deadline:
+                return False
+            self._note_overdue(future)
+            raise ValueError(
+                f"compiling the {request_grammar.kind} grammar took longer than {self.compile_timeout:g} s "
+                "(structured_output_compile_timeout); simplify the schema or raise the limit"
+            )
+        error = future.exception()
+        if error is not None:
+            self._forget(request_grammar, future)
+            if isinstance(error, ValueError):
+                raise ValueError(f"invalid {request_grammar.kind} for structured output: {error}") from None
+            raise ValueError(
+                f"the guided decoding backend failed on this {request_grammar.kind}: {type(error).__name__}: {error}"
+            ) from None
+        request_grammar.grammar = future.result().fork()
+        return True
+
+    def _note_overdue(self, future: concurrent.futures.Future) -> None:
+        """A compile outlived a request's time limit. It stays cached (a request for the same spec
+        waits on it rather than starting another), but once such compiles occupy every thread,
+        the pool is replaced so that other specs still compile; compiles queued in the old pool are
+        cancelled and queued again in the new one."""
+        self._overdue = {f for f in self._overdue if not f.done()}
+        if not future.running():
+            return  # still queued: it holds no thread
+        self._overdue.add(future)
+        if len(self._overdue) >= NUM_COMPILE_THREADS:
+            logger.warning(
+                "%d grammar compiles are still running past their time limit; compiling in new threads", len(self._overdue)
+            )
+            old, self._pool, self._overdue = self._pool, self._new_pool(), set()
+            old.shutdown(wait=False, cancel_futures=True)
+
+    def _forget(self, request_grammar: RequestGrammar, future: concurrent.futures.Future) -> None:
+        """Drop a failed compile from the cache unless it is a bad spec (those fail again the same way)."""
+        if not isinstance(future.exception(), ValueError):
+            key = (request_grammar.kind, request_grammar.spec)
+            if self._cache.get(key) is future:
+                del self._cache[key]
+
+    @staticmethod
+    def wait(pending: list[RequestGrammar], timeout: float) -> None:
+        """Block up to ``timeout`` s until one of ``pending`` finishes compiling (an idle engine
+        waits here instead of spinning against the compile threads)."""
+        futures = [g.future for g in pending if not g.future.done()]
+        if futures and len(futures) == len(pending):
+            deadline = min(g.deadline for g in pending) - time.monotonic()
+            concurrent.futures.wait(futures, timeout=max(0.0, min(timeout, deadline)), return_when="FIRST_COMPLETED")
+
+    # ---------------------------------------------------------------- bitmask
+    def grammar_bitmask(self, requests: list[Request]) -> tuple[dict[str, int], DeferredBitmask]:
+        """Rows of allowed next tokens for ``requests`` (each with a ready grammar):
+        ``({request_id: row}, bitmask)``; the bitmask's ``tensor()`` is a new CPU int32 tensor
+        (see :func:`runtime.structured_output.allocate_token_bitmask`) that the step owns,
+        filled when first asked for."""
+        from runtime.structured_output import DeferredBitmask
+
+        grammars = [request.grammar.grammar for request in requests]
+        rows = {request.request_id: row for row, request in enumerate(requests)}
+        return rows, DeferredBitmask(lambda: self.fill_bitmask(grammars))
+
+    def fill_bitmask(self, grammars: list[Grammar]) -> torch.Tensor:
+        """A new bitmask, row ``i`` filled by ``grammars[i]`` (the backend's batched fill where it has one)."""
+        import torch
+
+        from runtime.structured_output import allocate_token_bitmask, fill_bitmask_batch
+
+        if hasattr(self._backend, "fill_bitmask_batch"):  # writes every row: no need to set them first
+            bitmask = torch.empty((len(grammars), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        else:
+            bitmask = allocate_token_bitmask(len(grammars), self.vocab_size)
+        fill_bitmask_batch(self._backend, grammars, bitmask)
+        return bitmask
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,88 @@
+"""Compiled decode steps on the CPU: the model's forward through ``torch.compile`` (inductor's C++ backend).
+
+Besides its matmuls, an eager batch-1 decode step spends its time in thousands of small
+aten calls for norms, rotary embedding, activations and residual adds (about a fifth of the
+default model's step on one core). Inductor fuses those into a few C++ loops per layer and calls the matmuls (and
+the attention op, which runs the backend eagerly: ``runtime.models.attention_op``)
+directly. The batch size is symbolic (unbacked, so batch 1 is not specialized): one
+graph serves every decode batch. ``runtime.worker.graphs`` warms it at start-up and runs
+it for decode-only steps.
+
+Opt-in: ``RUNTIME_CPU_COMPILE=1`` turns it on (``0`` or unset: eager, as ``--enforce-eager``
+always is). Compiling costs about a minute per engine start on a 2-core machine with an
+empty cache and ~10 s with a filled one, which the test suite (hundreds of engines) cannot
+pay; ``benchmarks/RESULTS.md`` has the figures.
+Inductor's FX graph cache (on by default, under ``TORCHINDUCTOR_CACHE_DIR``, else
+``/tmp/torchinductor_<user>``) keeps the generated C++ across processes, so a later start
+with the same model and settings skips the C++ compilation (dynamo still traces).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import types
+
+import torch
+
+from runtime.distributed import tp_size
+
+logger = logging.getLogger(__name__)
+
+COMPILE_ENV = "RUNTIME_CPU_COMPILE"
+_counter = itertools.count()
+
+
+def compile_enabled() -> bool:
+    value = os.environ.get(COMPILE_ENV, "0").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", ""):
+        raise ValueError(f"{COMPILE_ENV} must be 1 (compile decode steps) or 0 (eager), got {value!r}")
+    return value in ("1", "true", "yes")
+
+
+def compile_model(model: torch.nn.Module):
+    """The model's forward compiled with inductor (one graph, no breaks), or None when off."""
+    if not compile_enabled():
+        logger.info("decode steps run eagerly (set %s=1 to compile them)", COMPILE_ENV)
+        return None
+    if tp_size() > 1:
+        logger.info("decode steps run eagerly: tensor-parallel all-reduces are not compiled")
+        return None
+
+    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model(input_ids, positions)
+
+    compiled = torch.compile(_own_code(forward), backend="inductor", fullgraph=True)
+
+    compiled_once = False
+
+    def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        nonlocal compiled_once
+        # One graph for every batch size, 1 included: an unbacked size is never specialized.
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        if not compiled_once:
+            compiled_once = True
+            return compiled(input_ids, positions)
+        # The one graph's guards (every parameter's dtype, shape and strides: ~1 ms a step on
+        # one core) cannot fail in an engine: the weights, the input dtypes and the grad mode
+        # (inference) stay as compiled.
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return compiled(input_ids, positions)
+
+    return run
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own.
+
+    Dynamo keeps compiled code per code object, at most ``recompile_limit`` (8) versions,
+    and with ``fullgraph`` fails past that. Compiling ``model`` directly would put every
+    engine of a process on the model class's ``forward`` (llama, qwen2 and qwen3 share
+    one), each dtype, architecture and quantization a new version that is never freed.
+    A code object per engine holds only that engine's version and goes with it; a later engine of the same model loads the
+    generated code from inductor's cache instead of compiling it again.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_counter)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)

@@ -1,0 +1,58 @@
+"""The ``triton`` attention backend: this package's unified paged attention.
+
+One ``reshape_and_cache`` launch writes the step's new keys and values, then one
+``unified_attention`` launch serves every request of the step, prefill chunks and
+decodes alike (small decode-only batches split each request's keys over several
+programs). The kernels read only device tensors of the metadata, plus the host-side
+``max_query_len`` / ``max_seq_len`` that pick the launch shape, so the step needs no
+backend-specific preparation and no host synchronization.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
+from runtime_kernels.attention import unified_attention
+from runtime_kernels.kv_cache import reshape_and_cache
+
+
+class TritonAttentionBackend:
+    """Paged attention for the GPU platforms (cuda, rocm, xpu); KV layout as every other backend's."""
+
+    name = "triton"
+    supports_graphs = True  # reads only device tensors and launch-shape sizes fixed per captured batch
+    supports_fp8_kv_cache = True  # the kernels convert on store and load
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        return metadata
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        return unified_attention(
+            query,
+            key_cache,
+            value_cache,
+            out,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_table,
+            metadata.max_query_len,
+            layer.scale,
+            layer.sliding_window,
+            layer.logits_soft_cap,
+            max_seq_len=metadata.max_seq_len,
+        )

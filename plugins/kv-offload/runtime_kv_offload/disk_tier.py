@@ -1,0 +1,166 @@
+"""The disk tier: one file per block under a directory, with a size cap (LRU) and a checksum.
+
+Files live in ``DIR/<layout>/<hh>/<block hash>.kvb``, where ``<layout>`` names the model and
+KV cache layout, so a directory shared by several models never mixes them; with tensor
+parallelism each rank has its own (``<layout>-tp2-rank1``: its shard of the KV heads). Block hashes
+are stable across processes (:mod:`runtime.scheduler.block_hash`), so a restarted engine
+finds the blocks its predecessor wrote. A file is ``MAGIC | crc32 | payload length |
+payload``; one that fails the check is deleted and reported as a miss (the tokens are then
+recomputed). A full tier (its cap, or the disk itself) evicts its least recently used files.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RTKVBLK1"
+HEADER = struct.Struct("<8sIQ")  # magic, crc32 of the payload, payload length
+SUFFIX = ".kvb"
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, directory: str | None, size_bytes: int):
+        if not directory:
+            raise ValueError("the disk KV offload tier needs a directory: add --kv-offload-dir PATH")
+        self.directory = directory
+        self.size_bytes = size_bytes
+        self.root: str | None = None
+        self.files: OrderedDict[bytes, int] = OrderedDict()  # block hash -> file size, least recent first
+        self.total_bytes = 0
+        self.block_bytes = 0
+        self.num_checksum_failures = 0
+        self.lock = threading.Lock()
+
+    def bind(self, block_bytes: int, layout_key: str, pin: bool = False) -> None:
+        """Open ``DIR/<layout_key>`` and index the block files already there (oldest first)."""
+        if self.size_bytes < HEADER.size + block_bytes:
+            raise ValueError(
+                f"--kv-offload-size for the disk tier ({self.size_bytes} bytes) holds no block; one block file takes "
+                f"{HEADER.size + block_bytes} bytes"
+            )
+        self.block_bytes = block_bytes
+        self.root = os.path.join(self.directory, layout_key)
+        os.makedirs(self.root, exist_ok=True)
+        found = []
+        for sub in os.listdir(self.root):
+            folder = os.path.join(self.root, sub)
+            if not os.path.isdir(folder):
+                continue
+            for name in os.listdir(folder):
+                if name.endswith(SUFFIX):
+                    stat = os.stat(os.path.join(folder, name))
+                    found.append((stat.st_mtime, bytes.fromhex(name[: -len(SUFFIX)]), stat.st_size))
+        for _, block_hash, size in sorted(found):
+            self.files[block_hash] = size
+            self.total_bytes += size
+        with self.lock:
+            self._evict_to(self.size_bytes)
+
+    @property
+    def capacity_blocks(self) -> int:
+        """How many block files fit under the cap (once bound)."""
+        return self.size_bytes // (HEADER.size + self.block_bytes)
+
+    def hashes(self) -> list[bytes]:
+        """The blocks on disk, least recently used first."""
+        with self.lock:
+            return list(self.files)
+
+    def _path(self, block_hash: bytes) -> str:
+        name = block_hash.hex()
+        return os.path.join(self.root, name[:2], name + SUFFIX)
+
+    # ---------------------------------------------------------------- KVTier
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self.files
+
+    def store(self, block_hash: bytes, data: torch.Tensor) -> None:
+        """Write the block (atomically: a temporary file renamed), evicting old files to stay
+        under the cap; a full disk evicts and retries once, then drops the block."""
+        payload = data.reshape(-1).view(torch.uint8).numpy().tobytes()
+        blob = HEADER.pack(MAGIC, zlib.crc32(payload), len(payload)) + payload
+        with self.lock:
+            if block_hash in self.files:
+                self.files.move_to_end(block_hash)
+                return
+            self._evict_to(self.size_bytes - len(blob))
+        path = self._path(block_hash)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        for attempt in range(2):
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, path)
+                break
+            except OSError as exc:
+                _remove(tmp)
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or attempt == 1 or not self.files:
+                    logger.warning("disk KV tier: could not write block %s (%s); dropped", block_hash.hex()[:12], exc)
+                    return
+                with self.lock:  # the disk is full before the cap: make room and retry once
+                    self._evict_to(max(self.total_bytes - 4 * len(blob), 0))
+        with self.lock:
+            self.files[block_hash] = len(blob)
+            self.total_bytes += len(blob)
+
+    def load(self, block_hash: bytes) -> torch.Tensor | None:
+        """The block's payload, or None when the file is gone, truncated or fails its checksum
+        (a failing file is deleted)."""
+        with self.lock:
+            if block_hash not in self.files:
+                return None
+            self.files.move_to_end(block_hash)
+        try:
+            with open(self._path(block_hash), "rb") as f:
+                blob = f.read()
+        except OSError:
+            self._forget(block_hash)
+            return None
+        if len(blob) >= HEADER.size:
+            magic, crc, length = HEADER.unpack_from(blob)
+            payload = memoryview(blob)[HEADER.size :]
+            if magic == MAGIC and length == len(payload) == self.block_bytes and zlib.crc32(payload) == crc:
+                return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self.num_checksum_failures += 1
+        logger.warning("disk KV tier: block file %s fails its checksum; deleted (it will be recomputed)",
+                       self._path(block_hash))
+        self._forget(block_hash)
+        _remove(self._path(block_hash))
+        return None
+
+    # ---------------------------------------------------------------- eviction
+    def _forget(self, block_hash: bytes) -> None:
+        with self.lock:
+            size = self.files.pop(block_hash, None)
+            if size is not None:
+                self.total_bytes -= size
+
+    def _evict_to(self, limit: int) -> None:
+        """Delete least recently used files until the tier holds at most ``limit`` bytes (lock held)."""
+        while self.files and self.total_bytes > limit:
+            block_hash, size = self.files.popitem(last=False)
+            self.total_bytes -= size
+            _remove(self._path(block_hash))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

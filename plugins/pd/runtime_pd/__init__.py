@@ -1,0 +1,35 @@
+"""runtime-plugin-pd: prefill/decode disaggregation over TCP.
+
+``--kv-transfer-config '{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_ip":
+"10.0.0.5", "kv_port": 14579}'`` on a prefill instance and ``"kv_role": "kv_consumer"`` on a
+decode instance (``kv_both`` for either). The flow is pull-based, as vLLM's NixlConnector:
+a request whose ``kv_transfer_params`` ask ``do_remote_decode`` keeps its prompt blocks under a
+lease after it finishes and returns where to fetch them; the decode instance, given the same
+request with those parameters (``do_remote_prefill``), waits without blocks while a thread
+pulls them into host memory, loads them into its cache and computes only the prompt's tail.
+Ports: ``kv_port`` serves blocks (the worker), ``kv_port + 1`` takes "pulled" notices (the
+scheduler). ``kv_connector_extra_config``: ``lease_s``, ``pull_timeout_s``,
+``on_transfer_failure`` (``recompute`` or ``fail``), ``checksum``.
+"""
+
+from __future__ import annotations
+
+from runtime import hookimpl
+
+CONNECTOR_NAME = "TcpConnector"
+
+
+@hookimpl
+def register_kv_connectors(register):
+    def tcp(config, role):
+        from runtime.kv_transfer import KVConnectorRole
+
+        if role == KVConnectorRole.SCHEDULER:
+            from runtime_pd.scheduler_half import TcpConnectorScheduler
+
+            return TcpConnectorScheduler(config)
+        from runtime_pd.worker_half import TcpConnectorWorker
+
+        return TcpConnectorWorker(config)
+
+    register(CONNECTOR_NAME, tcp)

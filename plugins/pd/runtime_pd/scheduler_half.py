@@ -1,0 +1,169 @@
+"""The TcpConnector's scheduler half: leases on the prefill side, pulls on the decode side.
+
+Prefill (``do_remote_decode``): when the request finishes, its full prompt blocks (all but the
+block of the last prompt token, which the decode instance computes to sample) are leased and
+the request's output carries ``kv_transfer_params`` saying where to pull them; the scheduler
+holds the blocks until :meth:`get_finished_sending` names the request.
+
+Decode (``do_remote_prefill``): the first lookup starts a pull and answers "loads
+asynchronously", so the request waits holding no blocks; once :meth:`get_finished_recving`
+names it, the next lookup counts the pulled tokens past the device prefix hit, and the
+step that admits it writes them into its new blocks before its forward pass.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from runtime.kv_transfer import KVConnectorMetadata
+from runtime.scheduler.request import RequestStatus
+
+from runtime_pd.lease import Leases
+from runtime_pd.puller import Puller, Staged
+from runtime_pd.settings import layout_key, prompt_digest, settings_of, transfer_params
+
+_PULLING, _DONE = "pulling", "done"  # pull states besides Staged blocks
+
+
+@dataclass
+class PDMetadata(KVConnectorMetadata):
+    leases: dict[str, list[int]] = field(default_factory=dict)  # request id -> block ids now served
+    unleases: list[str] = field(default_factory=list)  # requests whose blocks are no longer served
+    loads: list[tuple[list[int], list]] = field(default_factory=list)  # (block ids, per-layer tensors) to write
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.leases or self.unleases or self.loads)
+
+
+class TcpConnectorScheduler:
+    def __init__(self, config):
+        self.settings = s = settings_of(config)
+        self.block_size = config.cache_config.block_size
+        self.layout = layout_key(config)
+        self.engine_id = str((config.cache_config.kv_transfer_config or {}).get("engine_id") or uuid.uuid4())
+        self.metadata = PDMetadata()
+        self.leases = Leases(self.engine_id, s.lease_s, f"tcp://{s.host}:{s.control_port}") if s.is_producer else None
+        self.puller = Puller(self.layout, s.pull_timeout_s, s.checksum) if s.is_consumer else None
+        self.pulls: dict[str, object] = {}  # request id -> _PULLING, Staged, _DONE, or why it failed
+        self.num_failed_pulls = 0
+
+    # ---------------------------------------------------------------- decode side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = transfer_params(request) if self.puller is not None else None
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        state = self.pulls.get(request.request_id)
+        if state is None:
+            why = self._check(request, params)
+            if why is not None:
+                self.pulls[request.request_id] = why
+                self.puller.ended.append((request.request_id, why))
+                self.puller.cancel(params)
+                return 0, True
+            self.pulls[request.request_id] = _PULLING
+            self.puller.start(request.request_id, params)
+            return 0, True
+        if state is _PULLING:
+            return 0, True
+        if isinstance(state, Staged) and state.num_tokens > num_computed_tokens:
+            return state.num_tokens - num_computed_tokens, False
+        return 0, False  # the device cache holds them, they were loaded, or the pull failed: compute
+
+    def _check(self, request, params: dict) -> str | None:
+        """Why the remote blocks cannot be used for ``request`` (None: they can)."""
+        keys = ("remote_host", "remote_port", "remote_engine_id", "remote_request_id", "remote_block_ids", "num_remote_tokens")
+        missing = [k for k in keys if k not in params]
+        if missing:
+            return f"kv_transfer_params lacks {', '.join(missing)} (pass on the prefill response's kv_transfer_params)"
+        num_tokens = int(params["num_remote_tokens"])
+        if params.get("block_size") != self.block_size or num_tokens != len(params["remote_block_ids"]) * self.block_size:
+            return f"the prefill instance's block size {params.get('block_size')} differs from this one's {self.block_size}"
+        if num_tokens >= request.num_prompt_tokens or prompt_digest(request.prompt_token_ids[:num_tokens]) != params.get("prompt_digest"):
+            return "the prompt differs from the one the prefill instance computed"
+        return None
+
+    def get_finished_recving(self) -> dict[str, str | None]:
+        """Requests whose pulls ended: None when they may run (the blocks, or a local recompute),
+        else why they fail (``on_transfer_failure: fail``)."""
+        ended = {}
+        while self.puller is not None and self.puller.ended:
+            request_id, result = self.puller.ended.popleft()
+            if request_id not in self.pulls:
+                continue  # aborted meanwhile
+            self.pulls[request_id] = result
+            if isinstance(result, Staged):
+                ended[request_id] = None
+                continue
+            self.num_failed_pulls += 1
+            ended[request_id] = result if self.settings.on_transfer_failure == "fail" else None
+        return ended
+
+    def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        state = self.pulls.get(request.request_id)
+        if not isinstance(state, Staged) or (not num_external_tokens and not block_ids):
+            return  # nothing pulled, or no blocks this step (the request tries again)
+        self.pulls[request.request_id] = _DONE
+        if num_external_tokens:
+            num_blocks = state.num_tokens // self.block_size
+            first = num_blocks - num_external_tokens // self.block_size
+            self.metadata.loads.append((block_ids[first:num_blocks], [t[first:num_blocks] for t in state.tensors]))
+
+    # ---------------------------------------------------------------- prefill side
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = transfer_params(request)
+        state = self.pulls.pop(request.request_id, None)
+        if state is None and params and params.get("do_remote_prefill") and self.puller is not None:
+            self.puller.cancel(params)  # never pulled: free the prefill instance's blocks now
+        if self.leases is None or not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            return False, None
+        num_blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(block_ids))
+        num_tokens = num_blocks * self.block_size
+        out = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id, "remote_block_ids": block_ids[:num_blocks],
+            "remote_host": self.settings.host, "remote_port": self.settings.port, "num_remote_tokens": num_tokens,
+            "block_size": self.block_size, "prompt_digest": prompt_digest(request.prompt_token_ids[:num_tokens]),
+        }
+        if not num_blocks:
+            out["remote_block_ids"] = []
+            return False, out
+        self.leases.add(request.request_id)
+        self.metadata.leases[request.request_id] = block_ids[:num_blocks]
+        return True, out
+
+    def get_finished_sending(self) -> set[str]:
+        """Leased requests whose blocks may be freed: pulled, or their lease expired."""
+        if self.leases is None:
+            return set()
+        ended = self.leases.take_ended()
+        for request_id in ended:
+            self.metadata.leases.pop(request_id, None)
+            self.metadata.unleases.append(request_id)
+        return ended
+
+    # ---------------------------------------------------------------- steps
+    def build_connector_meta(self, scheduler_output) -> PDMetadata:
+        metadata, self.metadata = self.metadata, PDMetadata()
+        return metadata
+
+    def has_pending_work(self) -> bool:
+        return not self.metadata.is_empty or (self.leases is not None and self.leases.has_due())
+
+    def get_stats(self) -> dict:
+        stats = {"kv_transfer_failed_pulls": self.num_failed_pulls}
+        if self.leases is not None:
+            stats.update(kv_transfer_leases=len(self.leases.deadlines), kv_transfer_leases_pulled=self.leases.num_pulled,
+                         kv_transfer_leases_expired=self.leases.num_expired)
+        if self.puller is not None:
+            stats.update(kv_transfer_pulled_blocks=self.puller.num_pulled_blocks)
+        return stats
+
+    def shutdown(self) -> None:
+        if self.leases is not None:
+            self.leases.close()
+        if self.puller is not None:
+            self.puller.close()

@@ -1,0 +1,77 @@
+"""The TcpConnector's settings, read from ``--kv-transfer-config`` (vLLM's JSON spelling)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from runtime.kv_transfer import check_extra_keys
+
+DEFAULT_PORT = 14579  # vLLM's default kv_port
+FAILURE_MODES = ("recompute", "fail")
+EXTRA_KEYS = ("lease_s", "pull_timeout_s", "on_transfer_failure", "checksum")
+
+
+@dataclass(frozen=True)
+class PDSettings:
+    role: str  # kv_producer, kv_consumer or kv_both
+    host: str  # where this instance serves its blocks (and what it tells decode instances)
+    port: int  # blocks are served here; "pulled" notices arrive at port + 1
+    lease_s: float = 120.0  # a finished prefill's blocks are freed this long after it, if nobody pulled them
+    pull_timeout_s: float = 10.0  # a pull that gets no answer this long has failed
+    on_transfer_failure: str = "recompute"  # or "fail": the request ends with the transfer's error
+    checksum: bool = True  # crc32 of every layer's bytes, checked on arrival
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+    @property
+    def control_port(self) -> int:
+        return self.port + 1
+
+
+def settings_of(config) -> PDSettings:
+    """The settings of ``config`` (an EngineConfig); errors name the bad key or value."""
+    raw = config.cache_config.kv_transfer_config or {}
+    extra = dict(raw.get("kv_connector_extra_config") or {})
+    check_extra_keys("TcpConnector", extra, EXTRA_KEYS)
+    mode = extra.get("on_transfer_failure", "recompute")
+    if mode not in FAILURE_MODES:
+        raise ValueError(f"TcpConnector: on_transfer_failure {mode!r} is not valid; choose one of: {', '.join(FAILURE_MODES)}")
+    port = int(raw.get("kv_port") or DEFAULT_PORT)
+    if not 0 < port < 65535:
+        raise ValueError(f"TcpConnector: kv_port {port} is not a valid TCP port (it also uses kv_port + 1)")
+    settings = PDSettings(
+        role=raw.get("kv_role", "kv_both"), host=str(raw.get("kv_ip") or "127.0.0.1"), port=port,
+        lease_s=float(extra.get("lease_s", 120.0)), pull_timeout_s=float(extra.get("pull_timeout_s", 10.0)),
+        on_transfer_failure=mode, checksum=bool(extra.get("checksum", True)),
+    )
+    if settings.lease_s <= 0 or settings.pull_timeout_s <= 0:
+        raise ValueError(f"TcpConnector: lease_s and pull_timeout_s must be > 0, got {settings.lease_s}, {settings.pull_timeout_s}")
+    return settings
+
+
+def layout_key(config) -> str:
+    """Names what must match between a prefill and a decode instance for their blocks to mean the
+    same: model architecture and depth, dtypes, block size (the workers also check each layer's shape)."""
+    hf = config.model_config.hf_config
+    text = repr((config.model_config.architecture, getattr(hf, "num_hidden_layers", None), str(config.model_config.dtype),
+                 config.cache_config.cache_dtype, config.cache_config.block_size))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def prompt_digest(token_ids) -> str:
+    """Names the tokens whose KV a prefill instance hands over (a decode instance checks its prompt)."""
+    return hashlib.sha256(repr(list(token_ids)).encode()).hexdigest()[:32]
+
+
+def transfer_params(request) -> dict | None:
+    """The request's ``kv_transfer_params`` (``SamplingParams.extra_args``), or None."""
+    extra = request.sampling_params.extra_args
+    params = extra.get("kv_transfer_params") if extra else None
+    return params if isinstance(params, dict) else None

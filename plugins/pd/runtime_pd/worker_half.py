@@ -1,0 +1,103 @@
+"""The TcpConnector's worker half: serves leased blocks to decode instances (producer) and
+writes pulled blocks into the cache before the forward pass (consumer).
+
+The scheduler half tells this half, through each step's metadata, which blocks are leased to
+which request (and when a lease ends): the server answers only pulls of leased blocks, so a
+decode instance never reads a block that was freed and reused. A lease ends in
+``start_load_kv``, under the server's lock, before the step's forward pass may write the block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+import zmq
+
+from runtime_pd.settings import layout_key, settings_of
+from runtime_pd.socket_thread import SocketThread
+from runtime_pd.wire import PullReply, decode_request, encode, gather_blocks
+
+logger = logging.getLogger(__name__)
+
+LEASE_WAIT_S = 5.0  # a pull may arrive before the step that registers its lease: wait this long for it
+
+
+class TcpConnectorWorker:
+    def __init__(self, config):
+        self.settings = settings_of(config)
+        self.layout = layout_key(config)
+        self.layers: list[torch.Tensor] = []  # [num_blocks, ...] view of each layer's cache
+        self.leases: dict[str, list[int]] = {}  # request id -> leased block ids
+        self.lock = threading.Condition()
+        self.server: BlockServer | None = None
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int = 1) -> None:
+        self.layers = [cache.movedim(block_dim, 0) for cache in kv_caches]
+        if self.settings.is_producer:
+            self.server = BlockServer(self, f"tcp://{self.settings.host}:{self.settings.port}")
+
+    # ---------------------------------------------------------------- steps
+    def start_load_kv(self, metadata) -> None:
+        if metadata.leases or metadata.unleases:
+            with self.lock:  # waits for a pull being served
+                for req_id in metadata.unleases:
+                    self.leases.pop(req_id, None)
+                self.leases.update(metadata.leases)
+                self.lock.notify_all()
+        for block_ids, tensors in metadata.loads:
+            self._write(block_ids, tensors)
+
+    def _write(self, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
+        if len(tensors) != len(self.layers):
+            raise ValueError(f"TcpConnector: the prefill instance sent {len(tensors)} layers, this cache has {len(self.layers)}")
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].device)
+        for i, (layer, blocks) in enumerate(zip(self.layers, tensors)):
+            if blocks.dtype != layer.dtype or blocks.shape[1:] != layer.shape[1:]:
+                raise ValueError(
+                    f"TcpConnector: layer {i} blocks of the prefill instance are {blocks.dtype} {tuple(blocks.shape[1:])}, "
+                    f"this cache's are {layer.dtype} {tuple(layer.shape[1:])}: run both instances with the same model, "
+                    "dtype, block size and attention backend"
+                )
+            layer.index_copy_(0, ids, blocks.to(layer.device, non_blocking=True))
+
+    def wait_for_save(self) -> None:
+        pass  # blocks leave through the server, not through steps
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return set(), set()  # the scheduler half learns of sends and loads itself
+
+    def serve_pull(self, request_id: str, block_ids: list[int], layout: str) -> tuple[PullReply, list]:
+        """The reply to one pull: the leased blocks, or an error naming why not."""
+        if layout != self.layout:
+            return PullReply(error="the decode instance runs a different model layout (architecture, dtype or block size)"), []
+        with self.lock:
+            if not self.lock.wait_for(lambda: request_id in self.leases, LEASE_WAIT_S):
+                return PullReply(error=f"no blocks are leased to request {request_id!r} (lease expired or never made)"), []
+            leased = self.leases[request_id]
+            if block_ids != leased[: len(block_ids)]:
+                return PullReply(error=f"blocks {block_ids} are not the ones leased to request {request_id!r}"), []
+            return gather_blocks(self.layers, block_ids, self.settings.checksum)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+class BlockServer(SocketThread):
+    """A ROUTER socket that answers pulls with :meth:`TcpConnectorWorker.serve_pull`."""
+
+    def __init__(self, worker: TcpConnectorWorker, address: str):
+        self.worker = worker
+        super().__init__(zmq.ROUTER, address, "KV pulls")
+
+    def handle(self, frames: list) -> None:
+        identity, payload = frames
+        try:
+            pull = decode_request(payload.buffer)
+            reply, layers = self.worker.serve_pull(pull.request_id, pull.block_ids, pull.layout)
+        except Exception as exc:  # noqa: BLE001 - a bad pull is answered, never kills the server
+            logger.exception("serving a KV pull failed")
+            reply, layers = PullReply(error=f"the prefill instance failed to serve the pull: {exc}"), []
+        self.socket.send_multipart([identity, encode(reply), *layers], copy=False)

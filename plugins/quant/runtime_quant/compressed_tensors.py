@@ -1,0 +1,135 @@
+"""``compressed-tensors``: checkpoints written by llm-compressor / compressed-tensors.
+
+``quantization_config`` has ``config_groups`` (each: ``targets``, ``weights``,
+``input_activations``, optional ``format``), a top-level ``format`` and an ``ignore`` list;
+targets and ignore entries are module class names (``Linear``), module names, or
+``re:REGEX``. Supported: 8-bit symmetric ``float`` (``float-quantized``) and ``int``
+(``int-quantized``, ``naive-quantized``) weights per tensor, channel or block, with
+activations per token / tensor (static or dynamic) / group, or none (weights only).
+Tensors: ``weight``, ``weight_scale``, ``input_scale`` (static), zero points (zeros).
+
+``pack-quantized``: 4/8-bit ``int`` weights per group or channel, symmetric or not, with
+16/32-bit activations (W4A16, W8A16), ``actorder`` none or ``weight`` (``group``, with a
+``weight_g_idx``, is not read): ``weight_packed`` int32 [out, in / pack],
+``weight_scale`` [out, groups], ``weight_zero_point`` int32 [out / pack, groups]
+(asymmetric), ``weight_shape`` [2]; read by :mod:`runtime_quant.wna16_linear`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime_quant.linear import W8A8LinearMethod
+from runtime_quant.scheme import FP8, INT8, W8A8Scheme, matches, verify_8bit_platform
+from runtime_quant.wna16_linear import WNA16LinearMethod
+from runtime_quant.wna16_scheme import WNA16Scheme, check_bits, check_group_size
+
+PACKED = "pack-quantized"
+FORMATS = ("float-quantized", "int-quantized", "naive-quantized", PACKED)
+LINEAR_CLASS = "Linear"  # every layer this method is asked about is a linear layer
+
+
+def detect(quantization_config: dict | None) -> bool:
+    return bool(quantization_config) and quantization_config.get("quant_method") == "compressed-tensors"
+
+
+def _fail(group: str, what: str) -> ValueError:
+    return ValueError(
+        f"compressed-tensors config group {group!r}: {what} is not supported; supported: 8-bit symmetric "
+        f"float or int weights per tensor, channel or block, formats {', '.join(FORMATS[:-1])}; 4/8-bit int "
+        f"weights per group or channel with 16/32-bit activations, format {PACKED}"
+    )
+
+
+def packed_scheme(group: str, spec: dict[str, Any]) -> WNA16Scheme:
+    """The :class:`WNA16Scheme` of a ``pack-quantized`` config group."""
+    weights = spec.get("weights") or {}
+    if spec.get("input_activations") or spec.get("output_activations"):
+        raise _fail(group, f"{PACKED} with quantized activations")
+    if weights.get("type") != "int" or weights.get("dynamic"):
+        raise _fail(group, f"{PACKED} {weights.get('type')} weights{' (dynamic)' if weights.get('dynamic') else ''}")
+    if weights.get("actorder") not in (None, "weight"):  # "weight" orders calibration only, not the tensors
+        raise _fail(group, f"{PACKED} actorder {weights.get('actorder')!r} (weight_g_idx)")
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise _fail(group, f"{PACKED} weight strategy {strategy!r}")
+    group_size = weights.get("group_size") if strategy == "group" else -1
+    prefix = f"compressed-tensors config group {group!r}:"
+    check_bits(f"{prefix} {PACKED} num_bits", weights.get("num_bits"))
+    check_group_size(f"{prefix} {PACKED} group_size", group_size)
+    return WNA16Scheme("compressed-tensors", weights["num_bits"], group_size, symmetric=weights.get("symmetric", True))
+
+
+def _dtype(group: str, args: dict[str, Any]) -> Any:
+    kind, bits = args.get("type"), args.get("num_bits")
+    if bits != 8 or kind not in ("float", "int"):
+        raise _fail(group, f"{bits}-bit {kind}")
+    if args.get("symmetric") is False:
+        raise _fail(group, "asymmetric quantization (zero points)")
+    return FP8 if kind == "float" else INT8
+
+
+def group_scheme(group: str, spec: dict[str, Any], default_format: str | None) -> W8A8Scheme | WNA16Scheme:
+    """The :class:`W8A8Scheme` of one config group."""
+    fmt = spec.get("format") or default_format
+    if fmt not in FORMATS:
+        raise _fail(group, f"format {fmt!r}")
+    if fmt == PACKED:
+        return packed_scheme(group, spec)
+    weights, acts = spec.get("weights") or {}, spec.get("input_activations")
+    if spec.get("output_activations"):
+        raise _fail(group, "output activation quantization")
+    dtype = _dtype(group, weights)
+    strategy = weights.get("strategy")
+    if weights.get("dynamic") or strategy not in ("tensor", "channel", "block"):
+        raise _fail(group, f"weight strategy {strategy!r}{' (dynamic)' if weights.get('dynamic') else ''}")
+    block = tuple(weights["block_structure"]) if strategy == "block" else None
+    if acts is None:
+        return W8A8Scheme(dtype, strategy, activations=None, block_size=block)
+    if _dtype(group, acts) != dtype:
+        raise _fail(group, f"{acts.get('type')} activations with {weights.get('type')} weights")
+    act_strategy, dynamic = acts.get("strategy"), bool(acts.get("dynamic"))
+    if act_strategy not in ("token", "tensor", "group") or (act_strategy != "tensor" and not dynamic):
+        raise _fail(group, f"{'dynamic' if dynamic else 'static'} activation strategy {act_strategy!r}")
+    if act_strategy == "group" and (block is None or acts.get("group_size") != block[1]):
+        raise _fail(group, f"activation groups of {acts.get('group_size')} with weight blocks {block}")
+    return W8A8Scheme(dtype, strategy, activations=act_strategy, static_activations=not dynamic, block_size=block)
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig:
+    """Config groups in order (the first whose targets match a layer wins) and the ignore list."""
+
+    groups: tuple[tuple[tuple[str, ...], W8A8Scheme | WNA16Scheme], ...]
+    ignore: tuple[str, ...] = ()
+
+    def linear_method(self, prefix: str) -> W8A8LinearMethod | WNA16LinearMethod | None:
+        if any(matches(prefix, pattern) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(t == LINEAR_CLASS or matches(prefix, t) for t in targets):
+                return WNA16LinearMethod(scheme) if isinstance(scheme, WNA16Scheme) else W8A8LinearMethod(scheme)
+        return None
+
+    def verify_platform(self, platform) -> None:
+        for _, scheme in self.groups:
+            if isinstance(scheme, W8A8Scheme):
+                verify_8bit_platform(platform, scheme)
+
+
+class CompressedTensorsMethod:
+    """:class:`runtime.quantization.QuantMethod` ``compressed-tensors``."""
+
+    def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> CompressedTensorsConfig:
+        if not quantization_config or not quantization_config.get("config_groups"):
+            raise ValueError(
+                "compressed-tensors reads quantized checkpoints (a quantization_config with config_groups); "
+                "to quantize a 16/32-bit checkpoint on load use --quantization fp8 or int8"
+            )
+        default_format = quantization_config.get("format")
+        groups = tuple(
+            (tuple(spec.get("targets") or ()), group_scheme(name, spec, default_format))
+            for name, spec in quantization_config["config_groups"].items()
+        )
+        return CompressedTensorsConfig(groups, tuple(quantization_config.get("ignore") or ()))

@@ -1,0 +1,143 @@
+"""8-bit GEMMs on the GPU: cuBLASLt's FP8 GEMM with row-wise scales, and a Triton GEMM.
+
+* :func:`fp8_scaled_mm`: FP8 weights per channel or per tensor (the canonical ``weight_scale``
+  is one scale per output row either way) and per-token or per-tensor activations, through
+  ``torch._scaled_mm`` with row-wise scales, bf16 out. Other activation dtypes, or shapes
+  cuBLASLt refuses (dimensions not multiples of 16), take the reference.
+* :func:`triton_scaled_gemm`: int8 W8A8 (int32 accumulation, exact) and block-wise FP8
+  (activation groups of ``block_size[1]`` columns, weights in blocks), both with the scales
+  applied inside the K loop or once at the end.
+
+Activations are quantized with torch ops (per row amax, divide, cast); fusing that into one
+kernel is left to do.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from runtime_quant.scheme import FP8, INT8, MIN_SCALE, W8A8Scheme, quant_max
+
+
+@functools.cache
+def _fp8_tensor_cores(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def fp8_scaled_mm_supports(scheme: W8A8Scheme, device: torch.device) -> bool:
+    return (
+        _on_gpu(device)
+        and scheme.weight_dtype == FP8
+        and scheme.weight_strategy != "block"
+        and scheme.activations in ("token", "tensor")
+        and _fp8_tensor_cores(device.index or 0)
+    )
+
+
+def triton_scaled_gemm_supports(scheme: W8A8Scheme, device: torch.device) -> bool:
+    if not _on_gpu(device) or scheme.activations is None:
+        return False
+    if scheme.weight_dtype == INT8:
+        return scheme.weight_strategy != "block" and scheme.activations == "token"
+    group = scheme.block_size[1] if scheme.block_size else 0
+    return (
+        scheme.weight_strategy == "block"
+        and scheme.activations == "group"
+        and group >= 16
+        and group & (group - 1) == 0  # a power of two: one K step per group
+        and _fp8_tensor_cores(device.index or 0)
+    )
+
+
+def _row_quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None):
+    """``x`` [T, in] -> (codes [T, in], float32 scales [T, 1]) in one launch; ``scale`` (a
+    scalar tensor) for static activations."""
+    from runtime_quant.jit_gemm import row_quantize_kernel
+
+    rows, cols = x.shape
+    # Triton's interpreter rounds to FP8 without carrying into the exponent (1.97 -> 1.0):
+    # there the kernel writes float32 codes and torch rounds them. Compiled kernels convert.
+    torch_rounds = dtype == FP8 and os.environ.get("TRITON_INTERPRET") == "1"
+    codes = torch.empty(rows, cols, dtype=torch.float32 if torch_rounds else dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        row_quantize_kernel[(rows,)](
+            x, codes, scales, scale if scale is not None else scales, cols, x.stride(0), codes.stride(0),
+            QMAX=quant_max(dtype), MIN_SCALE=MIN_SCALE, STATIC=scale is not None, ROUND=dtype == INT8,
+            BLOCK=min(4096, max(16, 1 << (cols - 1).bit_length())),
+        )
+    return (codes.to(dtype) if torch_rounds else codes), scales
+
+
+def fp8_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8 W8A8 through cuBLASLt; a batch-1 step reads the FP8 weights in a one-row kernel
+    instead (runtime-kernels' ``gemv`` with the row scales: weight-only for that one row, so
+    no activation-quantization launch, and half of bf16's bytes)."""
+    from runtime_quant.kernels import dequant_matmul
+
+    n, k = layer.weight.shape
+    if x.dtype != torch.bfloat16 or n % 16 or k % 16 or x.shape[0] == 0:
+        return dequant_matmul(layer, scheme, x, bias)
+    if x.shape[0] == 1 and layer.weight_scale.dim() == 1:
+        from runtime_kernels.gemv import gemv  # runtime-plugin-cuda's kernels
+
+        return gemv(x, layer.weight, bias, scale=layer.weight_scale)
+    if scheme.activations == "token":
+        codes, scale_a = _row_quantize(x, FP8)
+    elif scheme.static_activations:
+        codes, scale_a = _row_quantize(x, FP8, layer.input_scale)
+    else:  # dynamic per tensor
+        codes, scale_a = _row_quantize(x, FP8, (x.abs().amax().float() / quant_max(FP8)).clamp(min=MIN_SCALE).reshape(1))
+    y = torch._scaled_mm(
+        codes, layer.weight.t(), scale_a=scale_a, scale_b=layer.weight_scale.view(1, n), out_dtype=torch.bfloat16
+    )
+    return y if bias is None else y + bias
+
+
+def _group_quantize(x: torch.Tensor, dtype: torch.dtype, group: int):
+    """``x`` [T, in] -> (codes [T, in], float32 scales [T, ceil(in / group)])."""
+    rows, cols = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -cols % group)).view(rows, -1, group)
+    scale = (padded.abs().amax(dim=-1) / quant_max(dtype)).clamp(min=MIN_SCALE)  # [T, groups]
+    codes = (padded / scale[:, :, None]).clamp(-quant_max(dtype), quant_max(dtype))
+    return codes.view(rows, -1)[:, :cols].to(dtype), scale
+
+
+def triton_scaled_gemm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from runtime_quant.jit_gemm import scaled_gemm_kernel
+
+    weight, weight_scale = layer.weight, layer.weight_scale
+    n, k = weight.shape
+    rows = x.shape[0]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    if scheme.weight_strategy == "block":
+        group = scheme.block_size[1]
+        codes, scale_a = _group_quantize(x, FP8, group)
+        block_k = group
+    else:
+        codes, scale_a = _row_quantize(x, INT8)
+        group, block_k = 0, 64
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_n = 64 if rows <= 32 else 128
+    grid = (_cdiv(rows, block_m), _cdiv(n, block_n))
+    scaled_gemm_kernel[grid](
+        codes, weight, out, scale_a, weight_scale, bias if bias is not None else out,
+        rows, n, k,
+        codes.stride(0), weight.stride(0), out.stride(0), scale_a.stride(0), weight_scale.stride(0),
+        HAS_BIAS=bias is not None, GROUP_K=group, IS_INT8=scheme.weight_dtype == INT8,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+    )
+    return out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,137 @@
+"""Weight-only 4/8-bit layers on the GPU: Triton kernels over the canonical packed layout.
+
+Decode-sized batches (at most :data:`GEMV_MAX_ROWS` rows) take the dequantize-in-kernel
+GEMV, split along K so that a small layer still fills the GPU; larger batches take the
+dequantize-tile + ``tl.dot`` GEMM. The weights stay packed (4.25 bits a weight with group
+128 float32 scales and uint8 zero points); nothing is dequantized outside the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+GEMV_MAX_ROWS = 4
+# Triton's interpreter turns float32 into bfloat16 wrongly inside a kernel (values ~1e10):
+# there the GEMM multiplies in float32. Compiled kernels convert.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_K_MAX = 128
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def block_k(group_rows: int, in_features: int) -> int:
+    """The K step: a power of two dividing the group (so a step never straddles two groups),
+    at most :data:`BLOCK_K_MAX` and at least 16 codes."""
+    if group_rows >= in_features:  # one group
+        return BLOCK_K_MAX
+    step = group_rows & -group_rows  # the largest power of two dividing it
+    return min(step, BLOCK_K_MAX)
+
+
+def supports(scheme, layer: torch.nn.Module) -> bool:
+    return (
+        layer.qweight.device.type == "cuda"
+        and torch.cuda.is_available()
+        and block_k(layer.quant_group_rows, layer.in_features) >= 16
+    )
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int  # at most the group's power-of-two step (see block_k)
+    split: int  # programs along K
+    num_warps: int = 4
+
+
+def gemv_config(n: int, k: int, group_rows: int, device: torch.device) -> GemvConfig:
+    """Tiles of the decode GEMV. Many short programs: on an H200 every Llama-8B shape ran fastest
+    (of column blocks 32-128, splits 1-16) with 128 columns and each program covering one or two
+    128-row K blocks (``plugins/quant/bench/wna16_gpu.py --sweep``)."""
+    step = block_k(group_rows, k)
+    k_blocks = _cdiv(k, step)
+    if device.type != "cuda":
+        return GemvConfig(64, step, min(2, k_blocks))  # the interpreter: exercise the split path
+    return GemvConfig(128, step, min(k_blocks, 16 if k <= 8192 else 32))
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+_LOCK_SLOTS = 1 << 16
+
+
+def _locks(device: torch.device) -> torch.Tensor:
+    """Per-column-block counters of the split GEMV (zero between calls: the last split resets its own).
+    Made on the first, eager call, before any CUDA graph captures one."""
+    locks = _LOCKS.get(device)
+    if locks is None:
+        locks = _LOCKS[device] = torch.zeros(_LOCK_SLOTS, dtype=torch.int32, device=device)
+    return locks
+
+
+def wna16_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.Tensor | None,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    from runtime_quant.jit_wna16 import wna16_gemv_kernel
+
+    qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
+    rows, k = x.shape
+    n = qweight.shape[1]
+    c = config or gemv_config(n, k, layer.quant_group_rows, x.device)
+    block_m = triton_next_power_of_2(rows)
+    k_per_split = _cdiv(_cdiv(k, c.block_k), c.split) * c.block_k
+    split = _cdiv(k, k_per_split)
+    n_blocks = _cdiv(n, c.block_n)
+    assert n_blocks <= _LOCK_SLOTS, f"{n} output features need more than {_LOCK_SLOTS} column blocks"
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    wna16_gemv_kernel[(n_blocks, split)](
+        x, qweight, scales, zeros, bias if bias is not None else out, out, parts, _locks(x.device),
+        rows, n, k, layer.quant_group_rows, k_per_split,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BITS=bits, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=c.block_n,
+        BLOCK_K=c.block_k, num_warps=c.num_warps,
+    )
+    return out
+
+
+def wna16_gemm(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from runtime_quant.jit_wna16 import wna16_gemm_kernel
+
+    qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
+    rows, k = x.shape
+    n = qweight.shape[1]
+    step = block_k(layer.quant_group_rows, k)
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    block_n = 64 if rows <= 32 else 128
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    wna16_gemm_kernel[(_cdiv(rows, block_m), _cdiv(n, block_n))](
+        x, qweight, scales, zeros, bias if bias is not None else out, out, rows, n, k, layer.quant_group_rows,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BITS=bits, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or _INTERPRETED,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=step, num_warps=4, num_stages=3,
+    )
+    return out
+
+
+def triton_wna16(layer: torch.nn.Module, scheme, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [T, in] -> [T, out]: the GEMV for up to :data:`GEMV_MAX_ROWS` rows, else the GEMM."""
+    x = x.contiguous()
+    if x.shape[0] == 0:
+        return torch.empty(0, layer.qweight.shape[1], dtype=x.dtype, device=x.device)
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return wna16_gemv(layer, scheme.bits, x, bias)
+    return wna16_gemm(layer, scheme.bits, x, bias)

@@ -1,0 +1,52 @@
+"""Reading a proposer head's checkpoint: a folder with config.json and its tensors.
+
+Published EAGLE and Medusa heads ship ``*.safetensors`` (EAGLE-3, converted heads) or a
+PyTorch pickle (``pytorch_model.bin``, ``medusa_lm_head.pt``); both are read (the pickle with
+``weights_only``, so it can hold nothing but tensors).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+
+def read_head_config(path: str, what: str) -> dict:
+    """The folder's config.json as a dict."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"{what} checkpoint {path!r} has no config.json (expected a folder with config.json and weights)")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def read_head_tensors(path: str, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files (the first pattern that matches any file)."""
+    for pattern in WEIGHT_PATTERNS:
+        files = sorted(glob.glob(os.path.join(path, pattern)))
+        if files:
+            break
+    else:
+        raise ValueError(f"{what} checkpoint {path!r} has no weights ({', '.join(WEIGHT_PATTERNS)})")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if file.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            tensors.update(load_file(file))
+        else:
+            tensors.update(torch.load(file, map_location="cpu", weights_only=True))
+    return tensors
+
+
+def hf_config(config: dict):
+    """A transformers config object of the head's config.json (llama-shaped heads)."""
+    from transformers import LlamaConfig
+
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "transformers_version")}
+    return LlamaConfig(**fields)

@@ -1,0 +1,97 @@
+"""The ``draft_model`` proposer: a second, smaller model with the target's tokenizer.
+
+Runs in the worker (``uses_kv_cache``): the engine gives it a paged KV cache of its own over
+the target's block ids and drives it (``runtime.worker.spec_decode_runner``): a catch-up pass
+over the tokens the target computes, then k autoregressive passes per step. Greedy requests
+draft the argmax, random ones sample from the draft's distribution, whose probabilities the
+rejection sampler uses as q.
+
+A Hugging Face draft whose config.json has a ``quantization_config`` is loaded through its own
+quant method, chosen and configured from that config as the target's is from its own (the
+engine's ``--quantization`` is the target's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.spec_decode import DraftProposals, ProposalBatch, TargetInfo
+from runtime_spec_decode.options import require_model
+
+
+def resolve_draft(path: str, target_vocab_size: int, what: str = "draft model"):
+    """Resolve the checkpoint at ``path`` and refuse one whose vocabulary is not the target's."""
+    from runtime.model_loader.resolve import resolve_model
+
+    resolved = resolve_model(path)
+    vocab = getattr(resolved.hf_config, "vocab_size", None)
+    if vocab != target_vocab_size:
+        raise ValueError(
+            f"{what} {path!r} has vocab_size {vocab}, the target model {target_vocab_size}: a {what} must share the "
+            "target's tokenizer and vocabulary (e.g. a smaller model of the same family)"
+        )
+    return resolved
+
+
+class DraftModelModule(nn.Module):
+    """A causal LM as a :class:`runtime.spec_decode.DraftModule` (reads no target hidden states)."""
+
+    target_hidden = None
+    input_shift = 0
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor | None):
+        return self.model(input_ids, positions), None  # [T, H]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def attention_specs(self) -> list:
+        return self.model.attention_specs()
+
+
+class DraftModelProposer:
+    """Implements :class:`runtime.spec_decode.WorkerProposer` with a :class:`DraftModelModule`."""
+
+    uses_kv_cache = True
+    needs_hidden_states = False
+
+    def __init__(self, path: str, model_config: Any, tensor_parallel_size: int = 1):
+        """``model_config``: the target's :class:`runtime.config.ModelConfig` (the draft's own is derived from it)."""
+        from runtime.quantization import select_quant_method
+
+        self.path = path
+        self.resolved = resolve_draft(path, model_config.vocab_size)
+        quantization = select_quant_method(None, self.resolved.hf_config)  # the checkpoint's own, if any
+        if quantization is not None and tensor_parallel_size > 1:
+            raise ValueError(
+                f"draft model {path!r} is quantized ({quantization!r}) and tensor_parallel_size is {tensor_parallel_size}: "
+                "quantized linear layers are not split across ranks yet; use an unquantized draft or tensor_parallel_size 1"
+            )
+        self.model_config = dataclasses.replace(
+            model_config, model=path, quantization=quantization, resolved=self.resolved,
+            architecture=self.resolved.architecture, gguf_file=self.resolved.gguf_file,
+        )
+
+    @classmethod
+    def from_config(cls, config: Any) -> DraftModelProposer:
+        return cls(require_model(config, "draft_model"), config.model_config, config.parallel_config.tensor_parallel_size)
+
+    def load(self, target: TargetInfo) -> DraftModelModule:
+        from runtime.model_loader.loader import load_model
+        from runtime.quantization import build_quant_config
+
+        self.resolved.quant_config = build_quant_config(self.model_config, target.platform)
+        model = load_model(self.resolved, load_format=target.load_format, dtype=target.dtype, device=target.device,
+                           seed=target.seed + 1)
+        return DraftModelModule(model)
+
+    def propose(self, batch: ProposalBatch) -> DraftProposals:
+        raise RuntimeError("the draft_model proposer runs in the worker: the model runner drives its DraftModule")

@@ -1,0 +1,107 @@
+"""Weight-only int8 and int4 on the CPU (``int8_weight_only``, ``int4_weight_only``, issue 17).
+
+A layer's output equals a bfloat16 matmul with its dequantized weight; an engine quantizing
+a float32 checkpoint on load follows transformers on the same checkpoint with the same
+dequantized weights (its decoder linears rounding inputs and outputs to bfloat16, as the
+kernels compute) up to near-ties, with logprobs close.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from runtime.testing.models import build_untokenized_model
+from runtime.testing.reference import check_logprobs_close_until_divergence, hf_greedy, make_prompts
+from runtime_cpu.weight_only import (
+    INT4_GROUP,
+    Int4WeightOnlyLinear,
+    Int8WeightOnlyLinear,
+    Int8WeightOnlyMethod,
+    dequantize_groups,
+    quantize_groups,
+    quantize_rows,
+)
+
+NUM_NEW_TOKENS = 8
+LOGPROB_ATOL = 2e-3  # the reference rounds as the kernels do; the summation order differs
+
+
+def dequantized(method: str, weight: torch.Tensor) -> torch.Tensor:
+    """The float32 weight a layer of ``method`` computes with."""
+    if method == "int8_weight_only":
+        rows, scales = quantize_rows(weight)
+        return rows.float() * scales.float()[:, None]
+    return dequantize_groups(*quantize_groups(weight))
+
+
+@pytest.mark.parametrize("method", ["int8_weight_only", "int4_weight_only"])
+def test_fused_layer_matches_its_dequantized_weight(method):
+    torch.manual_seed(0)
+    linear = Int8WeightOnlyLinear() if method == "int8_weight_only" else Int4WeightOnlyLinear()
+    layer = torch.nn.Module()
+    linear.create_weights(layer, 64, [48, 16], torch.float32)
+    parts = [torch.randn(48, 64), torch.randn(16, 64) * 3 + 1]
+    for shard, part in enumerate(parts):
+        linear.load(layer, "weight", part, shard)
+    linear.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight")
+    weight = torch.cat(parts)
+    expected_weight = dequantized(method, weight)
+    if method == "int8_weight_only":
+        step = weight.abs().amax(dim=1, keepdim=True) / 127
+    else:
+        groups = weight.view(64, -1, INT4_GROUP)
+        step = ((groups.amax(dim=2) - groups.amin(dim=2)) / 15).repeat_interleave(INT4_GROUP, dim=1)
+    # half a step, plus the bfloat16 rounding of scales (and offsets) the codes were taken against
+    assert ((expected_weight - weight).abs() <= step / 2 + weight.abs() / 128 + 1e-6).all()
+    x, bias = torch.randn(3, 64), torch.randn(64)
+    expected = x.bfloat16().float() @ expected_weight.t() + bias
+    out = linear.apply(layer, x, bias)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, rtol=2e-2, atol=5e-2)
+
+
+def test_bad_input_names_the_layout():
+    linear, layer = Int4WeightOnlyLinear(), torch.nn.Module()
+    linear.create_weights(layer, 8, [4, 4], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"has shape \[5, 8\] .* expected a float \[4, 8\]"):
+        linear.load(layer, "weight", torch.zeros(5, 8), 1)
+    with pytest.raises(ValueError, match="expects only 'weight'"):
+        linear.load(layer, "weight_scale", torch.zeros(4), 0)
+    with pytest.raises(ValueError, match=r"inputs in groups of 32 and outputs in tiles of 16, got \[8, 8\]"):
+        linear.process_weights_after_loading(layer)
+    with pytest.raises(ValueError, match="int8_weight_only quantizes .* already quantized .*'gptq'"):
+        Int8WeightOnlyMethod().get_config({"quant_method": "gptq"}, None)
+
+
+def reference_model(path, method: str):
+    """transformers on ``path`` with each decoder linear's weight as ``method`` stores it, its inputs
+    and outputs rounded to bfloat16 (bfloat16 in, float32 accumulation, bfloat16 out)."""
+    from transformers import AutoModelForCausalLM
+
+    def to_bf16(tensor):
+        return tensor.to(torch.bfloat16).to(tensor.dtype)
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            module.weight.data = dequantized(method, module.weight.data)
+            module.register_forward_pre_hook(lambda mod, args: tuple(to_bf16(a) for a in args))
+            module.register_forward_hook(lambda mod, args, out: to_bf16(out))
+    return model
+
+
+@pytest.mark.parametrize("method", ["int8_weight_only", "int4_weight_only"])
+def test_engine_matches_transformers_with_the_dequantized_weights(method, tmp_path_factory):
+    path = build_untokenized_model("llama", tmp_path_factory.mktemp("llama"))
+    prompts = make_prompts()[:4]
+    expected = hf_greedy(reference_model(path, method), prompts, NUM_NEW_TOKENS)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, quantization=method, enforce_eager=True)
+    layer = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0].mlp.gate_up_proj
+    assert not hasattr(layer, "weight") and type(layer.quant_method).__name__.lower().startswith(method[:4])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for i, ((tokens, steps), out) in enumerate(zip(expected, outputs)):
+        check_logprobs_close_until_divergence(tokens, steps, out.outputs[0].token_ids, out.outputs[0].logprobs,
+                                              atol=LOGPROB_ATOL, label=f"{method} prompt {i}")

@@ -1,0 +1,153 @@
+"""Issue 11: no request can hang or crash the server.
+
+Each reproduction of the issue answers a 4xx in OpenAI's error shape within
+1 s while another client's /health answers within 1 s throughout. The
+context numbers are the issue's, scaled to this server's max_model_len of 256
+(the issue: 8,151 prompt tokens + 500 against 8,192).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from support.health_watch import HealthWatch
+from support.remote_server import SERVER_FLAGS, RemoteServer
+
+REPLY_BOUND_S = 1.0
+MAX_MODEL_LEN = 256
+CHAT = [{"role": "user", "content": "hi"}]
+BIG = 20 * 1024 * 1024  # the issue's 20 MB prompt
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server_robustness") / "server.log"
+    srv = RemoteServer(tiny_llama, SERVER_FLAGS, log).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log(), srv.log()
+
+
+def post(server, path: str, body: dict | bytes, http: httpx.Client | None = None) -> tuple[httpx.Response, float]:
+    """POST raw JSON (ints of any size) and time the answer."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    send = (http or httpx).post
+    start = time.monotonic()
+    response = send(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+    return response, time.monotonic() - start
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    return error
+
+
+REPRODUCTIONS = [
+    # 1. a large n: capped by --max-n (default 128, OpenAI's limit)
+    ("n-million", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "n": 10**6}, 400, "n"),
+    ("n-10000", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 10_000}, 400, "n"),
+    ("chat-n-million", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "n": 10**6}, 400, "n"),
+    ("prompts-times-n", "/v1/completions", {"prompt": [[1]] * 100, "max_tokens": 1, "n": 100}, 400, "prompt"),
+    ("many-prompts", "/v1/completions", {"prompt": [[1]] * 100_000, "max_tokens": 1}, 400, "prompt"),
+    # lists every child carries, costing work per token or step
+    ("stop-strings", "/v1/completions", {"prompt": "hi", "stop": [f"zz{i}" for i in range(100_000)]}, 400, "stop"),
+    ("stop-token-ids", "/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * 2000}, 400, "stop_token_ids"),
+    ("logit-bias", "/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(2000)}}, 400, "logit_bias"),
+    # 3. integers past 64 bits
+    ("max_tokens-10**30", "/v1/completions", {"prompt": "hi", "max_tokens": 10**30}, 400, "max_tokens"),
+    ("seed-2**70", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "seed": 2**70}, 400, "seed"),
+    ("seed--2**70", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "seed": -(2**70)}, 400, "seed"),
+    ("top_k-2**64", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "top_k": 2**64}, 400, "top_k"),
+    ("priority-2**63", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": 2**63}, 400, "priority"),
+    ("stop_token_ids", "/v1/completions", {"prompt": "hi", "stop_token_ids": [1, 2**64]}, 400, "stop_token_ids.1"),
+    ("prompt-ids", "/v1/completions", {"prompt": [1, 2, 10**30]}, 400, "prompt.2"),
+    ("prompt-id-lists", "/v1/completions", {"prompt": [[1], [2, 10**30]]}, 400, "prompt.1.1"),
+    ("chat-max_completion_tokens", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10**30}, 400,
+     "max_completion_tokens"),
+    ("detokenize", "/detokenize", {"tokens": [1, 10**30]}, 400, "tokens.1"),
+    ("temperature-inf", "/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature"),
+    # 4. max_tokens beyond the context
+    ("max_tokens-10**9", "/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("prompt-plus-max_tokens", "/v1/completions", {"prompt": [1] * 215, "max_tokens": 500}, 400, "max_tokens"),
+    ("chat-max_completion_tokens-10**9", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 10**9},
+     400, "max_completion_tokens"),
+    # 2. large inputs: refused by length before anything is tokenized
+    ("prompt-1.9MB", "/v1/completions", {"prompt": "hello " * (1900 * 1024 // 6), "max_tokens": 1}, 400, "prompt"),
+    ("chat-1.9MB", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600_000}]}, 400, "messages"),
+    ("tokenize-1.9MB", "/tokenize", {"prompt": "hello " * (1900 * 1024 // 6)}, 400, "prompt"),
+    # found while fuzzing: text the tokenizer cannot take, a request-supplied template
+    ("lone-surrogate", "/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "prompt"),
+    ("chat-lone-surrogate", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "messages"),
+    ("content-part-text", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     400, "messages"),
+    ("request-template", "/v1/chat/completions",
+     {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{% for i in range(99999) %}{% endfor %}"}}, 400,
+     "chat_template_kwargs"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", [r[1:] for r in REPRODUCTIONS], ids=[r[0] for r in REPRODUCTIONS])
+def test_reproduction_is_a_fast_4xx(server, path, body, status, param):
+    with HealthWatch(server.url) as health:
+        response, seconds = post(server, path, body)
+        time.sleep(0.2)  # let /health be asked at least once after the answer
+    assert_openai_error(response, status, param)
+    assert seconds <= REPLY_BOUND_S, f"{path} answered in {seconds:.2f}s"
+    health.check()
+
+
+def test_context_errors_name_both_numbers(server):
+    error = assert_openai_error(post(server, "/v1/completions", {"prompt": [1] * 215, "max_tokens": 500})[0], 400, "max_tokens")
+    message = error["message"]
+    assert "maximum context length is 256 tokens" in message
+    assert "715" in message and "215 in the prompt" in message and "500 in the completion" in message
+    assert "at most 41" in message  # what would fit
+    error = assert_openai_error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10**9})[0], 400, "max_tokens")
+    assert "1000000000" in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+    # exactly filling the context is fine
+    response, _ = post(server, "/v1/completions", {"prompt": [1] * 250, "max_tokens": 6, "ignore_eos": True})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_20mb_body_is_refused_unread(server, chunked):
+    body = json.dumps({"prompt": "x" * BIG, "max_tokens": 1}).encode()
+    chunk = 1 << 20
+    content = iter([body[i:i + chunk] for i in range(0, len(body), chunk)]) if chunked else body
+    with HealthWatch(server.url) as health:
+        start = time.monotonic()
+        response = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=60)
+        seconds = time.monotonic() - start
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large", response.text
+    assert seconds <= REPLY_BOUND_S
+    health.check()
+
+
+def test_keep_alive_connection_survives_bad_integers(server):
+    """The issue's keep-alive client got a connection reset after the 500; now its next request just works."""
+    with httpx.Client() as http:
+        assert_openai_error(post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 10**30}, http)[0], 400, "max_tokens")
+        assert_openai_error(post(server, "/v1/completions", {"prompt": "hi", "seed": 2**70}, http)[0], 400, "seed")
+        response, _ = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, http)
+        assert response.status_code == 200
+
+
+def test_official_client_gets_bad_request_errors(server):
+    client = server.client()
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError, match="--max-n"):
+        client.completions.create(model=model, prompt="hi", max_tokens=1, n=10**6)
+    with pytest.raises(openai.BadRequestError, match="seed"):
+        client.completions.create(model=model, prompt="hi", max_tokens=1, seed=2**70)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=10**9)
+    assert client.completions.create(model=model, prompt="hi", max_tokens=1, n=128).choices[127].index == 127

@@ -1,0 +1,106 @@
+"""A vLLM command line works on ``runtime serve``: names, chat template, logprob limit, generation config,
+request and stats logging, and vLLM's metric names on /metrics (a real server, the official client)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from support.remote_server import SERVER_FLAGS, running_server
+
+NAMES = ["tiny", "alias"]
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm_compat")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    generation = folder / "generation"
+    generation.mkdir()
+    (generation / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 3}))
+    flags = SERVER_FLAGS + [
+        "--served-model-name", *NAMES, "-tp", "1", "--chat-template", str(folder / "template.jinja"),
+        "--max-logprobs", "5", "--generation-config", str(generation), "--trust-remote-code",
+        "--tokenizer-mode", "auto",
+    ]
+    with running_server(tiny_llama, flags, folder / "server.log", env={"RUNTIME_LOG_STATS_INTERVAL": "0.5"}) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def chat(client, model="tiny", **kwargs):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], **kwargs)
+
+
+def test_several_served_model_names(client):
+    assert [m.id for m in client.models.list().data] == NAMES
+    for name in NAMES:  # any name is accepted; responses carry the first, as vLLM's do
+        assert client.completions.create(model=name, prompt="Hello", max_tokens=1).model == "tiny"
+    with pytest.raises(openai.NotFoundError, match="this server serves: tiny, alias"):
+        client.completions.create(model="other", prompt="Hello", max_tokens=1)
+
+
+def test_chat_template_flag_replaces_the_models_template(server, client, tiny_llama):
+    from transformers import AutoTokenizer
+
+    expected = AutoTokenizer.from_pretrained(tiny_llama).encode("<<hi>>", add_special_tokens=False)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == expected
+    assert chat(client, max_tokens=1).usage.prompt_tokens == len(expected)
+
+
+def test_max_logprobs_flag_gives_400_naming_both_numbers(client):
+    with pytest.raises(openai.BadRequestError, match="logprobs asks for 6 logprobs, more than max_logprobs 5"):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=1, logprobs=6)
+    with pytest.raises(openai.BadRequestError, match="asks for 6 logprobs, more than max_logprobs 5"):
+        chat(client, max_tokens=1, logprobs=True, top_logprobs=6)
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=1, logprobs=5)
+    assert len(out.choices[0].logprobs.top_logprobs[0]) == 5
+
+
+def test_generation_config_gives_the_defaults_a_request_leaves_unset(client):
+    default = chat(client, extra_body=NO_EOS)  # no max_tokens, no top_k: the folder's max_new_tokens 3, top_k 1
+    greedy = chat(client, temperature=0.0, max_tokens=3, extra_body=NO_EOS)
+    assert default.usage.completion_tokens == 3
+    assert default.choices[0].message.content == greedy.choices[0].message.content
+    assert chat(client, max_tokens=5, extra_body=NO_EOS).usage.completion_tokens == 5  # the request's own value wins
+
+
+def test_vllm_metric_names_and_inter_token_latency(server, client):
+    def itl_count(prefix: str) -> float:
+        return server.metric(prefix + "inter_token_latency_seconds_count")
+
+    before = {p: itl_count(p) for p in ("vllm:", "runtime:")}
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=6, extra_body=NO_EOS)
+    for prefix, count in before.items():
+        assert itl_count(prefix) == count + 5  # 6 tokens: 5 gaps
+    names = {name for name, _ in server.metrics()}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:gpu_cache_usage_perc",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+                 "vllm:request_generation_tokens_bucket"):
+        assert name in names, name
+    assert server.metric("vllm:request_success_total", finished_reason="length") >= 1
+    assert server.metric("vllm:generation_tokens_total") == server.metric("runtime:generation_tokens_total")
+
+
+def test_requests_and_periodic_stats_are_logged(server, client):
+    client.completions.create(model="tiny", prompt="Log me", max_tokens=2)
+    deadline = time.monotonic() + 10
+    while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = server.log()
+    assert "Received request cmpl-" in log and "prompt: 'Log me'" in log
+    assert "Avg prompt throughput: " in log and "Running: " in log
+    assert "default sampling parameters from the model's generation config" in log

@@ -1,0 +1,83 @@
+"""The TcpConnector in-process (offline ``LLM``): with ``on_transfer_failure: fail`` a pull that
+gets no answer fails the request with an error naming the prefill instance; an abort of a
+decode request waiting for its pull, and of a finished prefill's lease, frees everything."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from support.remote_server import free_port, wait_for
+
+COMMON = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, enforce_eager=True)
+PROMPT = list(range(1, 60))
+
+
+def connector(role: str, port: int | None = None, **extra) -> dict:
+    config = {"kv_connector": "TcpConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    return {**config, "kv_port": port} if port else config
+
+
+def remote_params(port: int, num_blocks: int = 3) -> dict:
+    from runtime_pd.settings import prompt_digest
+
+    return {"do_remote_prefill": True, "remote_engine_id": "gone", "remote_request_id": "r", "remote_host": "127.0.0.1",
+            "remote_port": port, "remote_block_ids": list(range(num_blocks)), "num_remote_tokens": 16 * num_blocks,
+            "block_size": 16, "prompt_digest": prompt_digest(PROMPT[: 16 * num_blocks])}
+
+
+@pytest.fixture(scope="module")
+def fail_mode_llm(tiny_pd_model):
+    from runtime import LLM
+
+    return LLM(tiny_pd_model, kv_transfer_config=connector("kv_consumer", pull_timeout_s=0.5, on_transfer_failure="fail"),
+               **COMMON)
+
+
+def params(kv_transfer_params: dict, max_tokens: int = 4):
+    from runtime import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, extra_args={"kv_transfer_params": kv_transfer_params})
+
+
+def test_fail_mode_fails_the_request_with_a_clear_error(fail_mode_llm):
+    dead = free_port()  # nothing listens there
+    with pytest.raises(ValueError, match=rf"KV transfer from the prefill instance at 127.0.0.1:{dead} failed: no answer within 0.5 s"):
+        fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params(remote_params(dead)), use_tqdm=False)
+    core = fail_mode_llm.llm_engine.engine_core
+    assert not core.has_unfinished_requests() and core.scheduler.kv_cache_manager.usage() == 0.0
+
+
+def test_a_mismatched_prompt_is_refused_before_any_pull(fail_mode_llm):
+    other = remote_params(free_port())
+    other["prompt_digest"] = "0" * 32
+    with pytest.raises(ValueError, match=r"the prompt differs from the one the prefill instance computed"):
+        fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params(other), use_tqdm=False)
+
+
+def test_aborts_free_both_sides(tiny_pd_model, fail_mode_llm):
+    from runtime import LLM
+
+    port = free_port()
+    producer = LLM(tiny_pd_model, kv_transfer_config=connector("kv_producer", port, lease_s=60), **COMMON)
+    out = producer.generate([{"prompt_token_ids": PROMPT}], params({"do_remote_decode": True}, 1), use_tqdm=False)[0]
+    transfer = out.kv_transfer_params
+    prefill_core = producer.llm_engine.engine_core
+    assert prefill_core.scheduler.kv_cache_manager.usage() > 0  # leased for 60 s
+    # The decode side adds the request and aborts it while its pull waits (the prefill engine does not step, so
+    # the lease has not reached its block server yet): the pull is answered once it does, and its notice frees the lease.
+    decode = fail_mode_llm.llm_engine
+    decode.add_request("d", {"prompt_token_ids": PROMPT}, params(transfer))
+    decode.step()
+    assert decode.engine_core.scheduler.kv_connector.waiting_remote
+    decode.abort_request(["d"])
+    assert not decode.engine_core.has_unfinished_requests()
+
+    def freed():
+        prefill_core.step()
+        return prefill_core.scheduler.kv_cache_manager.usage() == 0.0
+
+    assert wait_for(freed, 10)
+    time.sleep(0.1)
+    assert decode.engine_core.scheduler.kv_cache_manager.usage() == 0.0

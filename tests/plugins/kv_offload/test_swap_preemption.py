@@ -1,0 +1,58 @@
+"""--preemption-mode swap: a preempted request's blocks go to the cpu tier and come back on
+resume; outputs equal recompute preemption's and transformers', with fewer tokens computed."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.testing.reference import check_outputs_equal, make_prompts, reference_outputs
+
+NUM_NEW_TOKENS = 24
+# The parity suite's forced-preemption setting (runtime.testing.conformance), prefix caching on.
+PREEMPTION = dict(num_gpu_blocks_override=24, block_size=4, max_model_len=96, max_num_batched_tokens=64)
+SWAP = dict(preemption_mode="swap", kv_offload="cpu", kv_offload_size="1MiB")
+
+
+def run(model_path: str, **kwargs) -> tuple[list[list[int]], int, dict]:
+    """(tokens per prompt, tokens the device computed, scheduler stats)."""
+    llm = LLM(model_path, dtype="float32", skip_tokenizer_init=True, **{**PREEMPTION, **kwargs})
+    core = llm.llm_engine.engine_core
+    computed = []
+    for name in ("execute_model", "execute_model_async"):
+        launch = getattr(core.executor, name)
+
+        def counting(so, launch=launch):
+            computed.append(so.total_num_scheduled_tokens)
+            return launch(so)
+
+        setattr(core.executor, name, counting)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params, use_tqdm=False)
+    stats = dict(core.scheduler.stats())
+    core.shutdown()
+    del llm
+    gc.collect()
+    return [list(o.outputs[0].token_ids) for o in outputs], sum(computed), stats
+
+
+@pytest.fixture(scope="module")
+def recompute(model_path):
+    tokens, computed, stats = run(model_path)
+    assert stats["num_preemptions"] > 0
+    return tokens, computed, [t for t, _ in reference_outputs(model_path, make_prompts(), NUM_NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("extra", [{}, dict(async_scheduling=True, max_num_batched_tokens=16)], ids=["sync", "async_chunked"])
+def test_swap_equals_recompute_and_transformers_with_fewer_tokens_computed(model_path, recompute, extra):
+    expected, computed_by_recompute, reference = recompute
+    base_tokens, computed_base, _ = run(model_path, **extra) if extra else (expected, computed_by_recompute, None)
+    tokens, computed, stats = run(model_path, **SWAP, **extra)
+    check_outputs_equal(reference, expected, "recompute preemption vs transformers")
+    check_outputs_equal(base_tokens, tokens, "swap vs recompute preemption")
+    check_outputs_equal(reference, tokens, "swap vs transformers")
+    assert stats["num_preemptions"] > 0
+    assert stats["kv_offload_hits_cpu"] > 0 and stats["kv_offload_hit_tokens"] > 0
+    assert computed < computed_base, (computed, computed_base)

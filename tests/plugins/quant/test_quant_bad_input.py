@@ -1,0 +1,129 @@
+"""Bad quantized checkpoints and flags: errors name the tensor or value and what is expected."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from quant_checkpoints import write_fp8_checkpoint
+from safetensors.torch import load_file, save_file
+
+from runtime import LLM
+
+DOWN = "model.layers.1.mlp.down_proj"
+QKV = "model.layers.0.self_attn.k_proj"
+
+
+@pytest.fixture
+def fp8_checkpoint(float_checkpoint, tmp_path):
+    return write_fp8_checkpoint(float_checkpoint, str(tmp_path / "fp8"), "static")
+
+
+def edit_tensors(path: str, edit) -> None:
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    edit(state)
+    save_file(state, file)
+
+
+def edit_config(path: str, **quantization_config) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"].update(quantization_config)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def load(path: str, **kwargs):
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20, **kwargs)
+
+
+def test_unknown_quant_method_names_the_installed_ones(fp8_checkpoint):
+    edit_config(fp8_checkpoint, quant_method="bitsandbytes")
+    with pytest.raises(ValueError, match=r"quant_method 'bitsandbytes' is not supported; installed quant methods: "
+                                         r"awq, compressed-tensors, fp8, gptq, int8"):
+        load(fp8_checkpoint)
+
+
+def test_unknown_quantization_flag(float_checkpoint):
+    with pytest.raises(ValueError, match=r"unknown quant method 'bitsandbytes'; installed: awq, compressed-tensors, fp8, "
+                                         r"gptq, int8"):
+        load(float_checkpoint, quantization="bitsandbytes")
+
+
+def test_flag_that_contradicts_the_checkpoint(fp8_checkpoint):
+    with pytest.raises(ValueError, match=r"--quantization 'int8' does not match the checkpoint, which is quantized with 'fp8'"):
+        load(fp8_checkpoint, quantization="int8")
+
+
+def test_missing_scale_tensors(fp8_checkpoint):
+    edit_tensors(fp8_checkpoint, lambda s: s.pop(f"{DOWN}.weight_scale"))
+    with pytest.raises(ValueError, match=rf"lacks weights .*{DOWN}.weight_scale \(float32 \[1\]\)"):
+        load(fp8_checkpoint)
+
+
+def test_missing_scale_of_one_fused_projection(fp8_checkpoint):
+    edit_tensors(fp8_checkpoint, lambda s: s.pop(f"{QKV}.input_scale"))
+    with pytest.raises(ValueError, match=r"lacks weights .*model.layers.0.self_attn.qkv_proj.input_scale \(float32 \[3\]\)"):
+        load(fp8_checkpoint)
+
+
+def test_mismatched_weight_shape(fp8_checkpoint):
+    def cut(state):
+        state[f"{DOWN}.weight"] = state[f"{DOWN}.weight"][:, :-1].contiguous()
+
+    edit_tensors(fp8_checkpoint, cut)
+    with pytest.raises(ValueError, match=rf"'{DOWN}.weight' has shape \[64, 127\], expected float8_e4m3fn \[64, 128\]"):
+        load(fp8_checkpoint)
+
+
+def test_mismatched_scale_shape(fp8_checkpoint):
+    edit_tensors(fp8_checkpoint, lambda s: s.__setitem__(f"{QKV}.weight_scale", torch.ones(4)))
+    with pytest.raises(ValueError, match=rf"'{QKV}.weight_scale' has shape \[4\], expected float32 \[\] or \[1\]"):
+        load(fp8_checkpoint)
+
+
+def test_unquantized_weight_in_an_fp8_checkpoint(fp8_checkpoint):
+    edit_tensors(fp8_checkpoint, lambda s: s.__setitem__(f"{DOWN}.weight", s[f"{DOWN}.weight"].float()))
+    with pytest.raises(ValueError, match=rf"'{DOWN}.weight' has dtype float32, expected float8_e4m3fn \[64, 128\]"):
+        load(fp8_checkpoint)
+
+
+def test_block_scales_of_the_wrong_layout(float_checkpoint, tmp_path):
+    path = write_fp8_checkpoint(float_checkpoint, str(tmp_path / "block"), "dynamic", [32, 32])
+    edit_tensors(path, lambda s: s.__setitem__(f"{DOWN}.weight_scale_inv", torch.ones(2, 2)))
+    with pytest.raises(ValueError, match=rf"'{DOWN}.weight_scale_inv' has shape \[2, 2\], expected float32 \[2, 4\] "
+                                         r"\(one scale per 32x32 block\)"):
+        load(path)
+
+
+def test_unsupported_settings(fp8_checkpoint):
+    edit_config(fp8_checkpoint, activation_scheme="per-head")
+    with pytest.raises(ValueError, match=r"activation_scheme 'per-head' is not supported; supported: static, dynamic"):
+        load(fp8_checkpoint)
+    edit_config(fp8_checkpoint, activation_scheme="static", weight_block_size=[128, 128])
+    with pytest.raises(ValueError, match=r"weight_block_size\) need activation_scheme 'dynamic'"):
+        load(fp8_checkpoint)
+
+
+def test_int8_refuses_a_quantized_checkpoint():
+    from runtime_quant.int8 import Int8Method
+
+    with pytest.raises(ValueError, match=r"already quantized \(quant_method 'fp8'\).*compressed-tensors"):
+        Int8Method().get_config({"quant_method": "fp8"}, None)
+
+
+def test_compressed_tensors_schemes_it_cannot_run():
+    from runtime_quant.compressed_tensors import CompressedTensorsMethod
+
+    w4 = {"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": True}}}}
+    with pytest.raises(ValueError, match=r"group 'group_0': format 'marlin-24' is not supported; supported: 8-bit"):
+        CompressedTensorsMethod().get_config(w4, None)
+    w4["format"] = "int-quantized"
+    with pytest.raises(ValueError, match=r"group 'group_0': 4-bit int is not supported"):
+        CompressedTensorsMethod().get_config(w4, None)
+    with pytest.raises(ValueError, match=r"reads quantized checkpoints.*--quantization fp8 or int8"):
+        CompressedTensorsMethod().get_config(None, None)

@@ -1,0 +1,128 @@
+"""Weight-only checkpoints the plugin cannot run, or that do not fit: errors name the value
+or tensor and what is supported / expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quant_bad_input import edit_config, edit_tensors, load
+from wna16_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
+
+from runtime_quant.awq import AwqMethod
+from runtime_quant.compressed_tensors import CompressedTensorsMethod
+from runtime_quant.gptq import GptqMethod
+
+DOWN = "model.layers.1.mlp.down_proj"
+K_PROJ = "model.layers.0.self_attn.k_proj"
+
+
+@pytest.fixture
+def gptq_checkpoint(float_checkpoint, tmp_path):
+    return write_gptq_checkpoint(float_checkpoint, str(tmp_path / "gptq"), 4, 32)[0]
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"bits": 3}, r"gptq bits 3 is not supported; supported: 4, 8"),
+    ({"bits": 2}, r"gptq bits 2 is not supported; supported: 4, 8"),
+    ({"group_size": 48}, r"gptq group_size 48 is not supported; supported: -1, 16, 32, 64, 128, 256"),
+    ({"checkpoint_format": "marlin"}, r"checkpoint_format 'marlin' is not supported; supported: gptq, gptq_v2"),
+    ({"dynamic": {"re:.*down.*": {"bits": 8}}}, r"gptq quantization_config.dynamic .* is not supported"),
+])
+def test_gptq_settings_it_cannot_run(settings, message):
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, **settings}
+    with pytest.raises(ValueError, match=message):
+        GptqMethod().get_config(config, None)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"bits": 8}, r"awq bits 8 is not supported; supported: 4"),
+    ({"version": "gemv"}, r"awq version 'gemv' is not supported; supported: gemm"),
+    ({"zero_point": False}, r"awq zero_point false .* is not supported; supported: zero_point true"),
+    ({"group_size": 100}, r"awq group_size 100 is not supported; supported: -1, 16"),
+])
+def test_awq_settings_it_cannot_run(settings, message):
+    config = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm", **settings}
+    with pytest.raises(ValueError, match=message):
+        AwqMethod().get_config(config, None)
+
+
+@pytest.mark.parametrize("weights,activations,message", [
+    ({"num_bits": 2}, None, r"pack-quantized num_bits 2 is not supported; supported: 4, 8"),
+    ({"group_size": 96}, None, r"pack-quantized group_size 96 is not supported; supported: -1, 16"),
+    ({"actorder": "group"}, None, r"pack-quantized actorder 'group' \(weight_g_idx\) is not supported"),
+    ({"strategy": "tensor"}, None, r"pack-quantized weight strategy 'tensor' is not supported"),
+    ({}, {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True},
+     r"pack-quantized with quantized activations is not supported"),
+])
+def test_pack_quantized_settings_it_cannot_run(weights, activations, message):
+    args = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True, **weights}
+    config = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": args, "input_activations": activations}}}
+    with pytest.raises(ValueError, match=message):
+        CompressedTensorsMethod().get_config(config, None)
+
+
+def test_pack_quantized_weight_actorder_is_plain():
+    """actorder "weight" orders GPTQ's calibration only: the tensors are in column order."""
+    args = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False,
+            "actorder": "weight"}
+    config = CompressedTensorsMethod().get_config({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                   "config_groups": {"g": {"targets": ["Linear"], "weights": args}}}, None)
+    method = config.linear_method("model.layers.0.mlp.down_proj")
+    assert method.scheme.describe == "compressed-tensors 4-bit weights in groups of 32, asymmetric"
+
+
+def test_gptq_needs_a_quantized_checkpoint(float_checkpoint):
+    with pytest.raises(ValueError, match=r"gptq reads quantized checkpoints .*--quantization fp8 or int8"):
+        load(float_checkpoint, quantization="gptq")
+
+
+def test_detected_from_quantization_config_and_flag_agrees(gptq_checkpoint, float_checkpoint, tmp_path):
+    from runtime.model_loader import resolve_model
+    from runtime.quantization import select_quant_method
+
+    assert select_quant_method(None, resolve_model(gptq_checkpoint).hf_config) == "gptq"
+    assert select_quant_method("gptq", resolve_model(gptq_checkpoint).hf_config) == "gptq"
+    awq = write_awq_checkpoint(float_checkpoint, str(tmp_path / "awq"), 32)[0]
+    assert select_quant_method(None, resolve_model(awq).hf_config) == "awq"
+    with pytest.raises(ValueError, match=r"--quantization 'gptq' does not match the checkpoint, which is quantized "
+                                         r"with 'awq'"):
+        load(awq, quantization="gptq")
+
+
+def _transpose(name):
+    return lambda s: s.__setitem__(name, s[name].t().contiguous())
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.pop(f"{DOWN}.qzeros"), rf"lacks weights .*{DOWN}.qzeros \(int32 \[4, 8\]\)"),
+    (_transpose(f"{K_PROJ}.qweight"),
+     rf"'{K_PROJ}.qweight' has shape \[32, 8\], expected int32 \[8, 32\] \(\[in / pack, out\], packed along in\)"),
+    (lambda s: s.__setitem__(f"{DOWN}.qweight", s[f"{DOWN}.qweight"].float()),
+     rf"'{DOWN}.qweight' has dtype float32, expected int32 \[16, 64\]"),
+    (lambda s: s.__setitem__(f"{K_PROJ}.scales", s[f"{K_PROJ}.scales"][:1].contiguous()),
+     rf"'{K_PROJ}.scales' has shape \[1, 32\], expected float \[2, 32\] \(\[groups, out\]\)"),
+], ids=["missing_qzeros", "transposed_qweight", "float_qweight", "too_few_scales"])
+def test_tensors_that_do_not_fit(gptq_checkpoint, edit, message):
+    edit_tensors(gptq_checkpoint, edit)
+    with pytest.raises(ValueError, match=message):
+        load(gptq_checkpoint)
+
+
+def test_act_order_g_idx_with_uneven_groups(float_checkpoint, tmp_path):
+    path = write_gptq_checkpoint(float_checkpoint, str(tmp_path / "act"), 4, 32, act_order=True)[0]
+    edit_tensors(path, lambda s: s.__setitem__(f"{DOWN}.g_idx", torch.zeros(128, dtype=torch.int32)))
+    with pytest.raises(ValueError, match=rf"{DOWN}: .*g_idx does not give every group 32 rows \(group sizes \[128\]"):
+        load(path)
+    edit_config(path, desc_act=False)  # without act-order g_idx is not read: rows are in group order
+    load(path)
+
+
+def test_act_order_fused_projections_with_different_orders(float_checkpoint, tmp_path):
+    """q, k and v share one input, so GPTQ gives them one g_idx; a layer that does not is refused."""
+    path = write_gptq_checkpoint(float_checkpoint, str(tmp_path / "act"), 4, 32, act_order=True)[0]
+    edit_tensors(path, lambda s: s.__setitem__(f"{K_PROJ}.g_idx", (torch.arange(64) // 32).int()))
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.qkv_proj: gptq 4-bit weights in groups of 32 "
+                                         r"\(act-order\), symmetric: the projections fused into this layer have "
+                                         r"different g_idx"):
+        load(path)

@@ -1,0 +1,1 @@
+"""Helpers shared by the test suite (on the path through pytest's ``pythonpath``)."""
