@@ -78,7 +78,7 @@ def test_compiling_is_opt_in_and_enforce_eager_turns_it_off(qwen3_path, monkeypa
     if enforce_eager:
         assert graphs is None
     else:  # the platform declined: every step runs eagerly, nothing was warmed up
-        assert graphs.compiled is None and graphs.batch_size(1, 1) is None and not graphs.replay_counts
+        assert graphs.compiled is None and graphs.shape(1, 1, 1) is None and not graphs.replay_counts
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert not graphs or not graphs.replay_counts

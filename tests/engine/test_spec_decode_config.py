@@ -148,10 +148,18 @@ def test_latency_bench_prints_the_mean_acceptance_length():
 
 
 def test_verification_steps_are_never_routed_into_a_decode_graph():
-    """A step with drafts has more tokens than requests: it runs eagerly (graphs hold one token per request)."""
-    from runtime.worker.graphs import DecodeGraphs
+    """A step with drafts has more tokens than requests: a decode graph (one token per request)
+    never runs it; verification graphs (1 + k tokens per request) do, when captured."""
+    from runtime.worker.graphs import DecodeGraphs, GraphShape
 
     graphs = DecodeGraphs((1, 2, 4, 8), None, None, None, None, None, 16, 256)
-    assert graphs.batch_size(3, 3) == 4  # a plain decode step pads to a captured size
-    assert graphs.batch_size(3, 3 + 4) is None  # one request with 4 drafts
-    assert graphs.batch_size(1, 2) is None
+    assert graphs.shape(3, 3, 1) == GraphShape(4)  # a plain decode step pads to a captured size
+    assert graphs.shape(3, 3 + 4, 5) is None  # one request with 4 drafts: no verification graphs captured
+    assert graphs.shape(1, 2, 2) is None
+    graphs = DecodeGraphs((1, 2, 4, 8), None, None, None, None, None, 16, 256, verify_len=5, max_num_tokens=32)
+    assert graphs.verify_sizes == (1, 2, 4)  # 8 x 5 tokens do not fit the step buffers
+    assert graphs.shape(3, 3, 1) == GraphShape(4)
+    assert graphs.shape(3, 3 + 4, 5) == GraphShape(4, 5)  # requests with fewer drafts keep their own lengths
+    assert graphs.shape(3, 3 + 2, 2) == GraphShape(4, 5)
+    assert graphs.shape(3, 3 + 5, 6) is None  # more tokens per request than captured (a prefill chunk)
+    assert graphs.shape(5, 5 + 4, 5) is None  # more requests than the largest verification graph

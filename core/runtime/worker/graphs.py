@@ -1,12 +1,19 @@
-"""Decode steps replayed from captured graphs (CUDA graphs on the ``cuda`` platform).
+"""Decode and verification steps replayed from captured graphs (CUDA graphs on ``cuda``).
 
 A decode-only step (one new token per request) spends most of its time launching
 small kernels. For each captured batch size the model's forward is recorded once,
 reading every input from the persistent step buffers; a step with ``n`` requests
 then pads its inputs to the next captured size and replays that graph.
 
+With speculative decoding a verification step feeds each request its token and up to
+``k`` drafts. Such steps get graphs of their own, captured for ``1 + k`` query tokens per
+request (:class:`GraphShape` ``query_len``): a step whose requests have at most ``1 + k``
+tokens each (some may have fewer drafts, or none) pads to the next captured size, its
+requests keeping their own query lengths (the attention kernel reads them on the device).
+
 Padding keeps the replay harmless: padded tokens have slot ``-1`` (their keys are not
-cached) and padded requests have no queries, so attention skips them.
+cached) and belong to no request, and padded requests have no queries, so attention
+skips them.
 
 A platform that ``compiles_graphs`` (the CPU) gets compiled code instead of recordings:
 the forward is compiled once (``platform.compile_model``, e.g. ``torch.compile`` with a
@@ -23,6 +30,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -46,10 +54,28 @@ def can_capture(platform, backend, sizes: tuple[int, ...]) -> str | None:
     return None
 
 
-class DecodeGraphs:
-    """Captured decode steps, one per batch size, sharing one memory pool."""
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """A captured step: ``num_reqs`` requests of up to ``query_len`` tokens each (1: decode;
+    1 + k: speculative verification), its inputs padded to ``num_reqs * query_len`` tokens."""
 
-    def __init__(self, sizes: tuple[int, ...], platform, model, backend, kv_caches, buffers: StepBuffers, block_size: int, max_model_len: int):
+    num_reqs: int
+    query_len: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_reqs * self.query_len
+
+
+class DecodeGraphs:
+    """Captured decode (and verification) steps, one per batch size, sharing one memory pool.
+
+    ``verify_len`` (1 + k with speculative decoding, else 0) adds graphs of that many query
+    tokens per request, for the captured sizes whose tokens fit ``max_num_tokens``.
+    """
+
+    def __init__(self, sizes: tuple[int, ...], platform, model, backend, kv_caches, buffers: StepBuffers, block_size: int,
+                 max_model_len: int, verify_len: int = 0, max_num_tokens: int = 0):
         self.sizes = tuple(sorted(sizes))
         self.platform = platform
         self.model = model
@@ -58,18 +84,26 @@ class DecodeGraphs:
         self.buffers = buffers
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.replays: dict[int, Callable[[], torch.Tensor]] = {}
-        self.replay_counts: Counter[int] = Counter()  # steps run per captured size
         self.compiles = getattr(platform, "compiles_graphs", False)  # compiled code instead of recorded graphs
         self.compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # set by capture() if compiles
+        # Verification steps are recorded only: compiled code runs decode steps alone.
+        self.verify_len = verify_len if verify_len > 1 and not self.compiles else 0
+        self.verify_sizes = tuple(s for s in self.sizes if s * verify_len <= max_num_tokens) if self.verify_len else ()
+        self.replays: dict[GraphShape, Callable[[], torch.Tensor]] = {}
+        self.replay_counts: Counter[int] = Counter()  # decode steps run per captured size
+        self.verify_replay_counts: Counter[int] = Counter()  # verification steps run per captured size
 
-    def batch_size(self, num_reqs: int, num_tokens: int) -> int | None:
-        """The captured size a step pads to, or None if it must run eagerly."""
-        if num_tokens != num_reqs or num_reqs > self.sizes[-1]:
-            return None
-        if self.compiles:
-            return num_reqs if self.compiled is not None else None  # compiled code runs any size: no padding
-        return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+    def shape(self, num_reqs: int, num_tokens: int, max_query_len: int) -> GraphShape | None:
+        """The captured shape a step pads to, or None if it must run eagerly."""
+        if num_tokens == num_reqs:  # a decode step
+            if num_reqs > self.sizes[-1]:
+                return None
+            if self.compiles:
+                return GraphShape(num_reqs) if self.compiled is not None else None  # any size: no padding
+            return GraphShape(self.sizes[bisect.bisect_left(self.sizes, num_reqs)])
+        if max_query_len > self.verify_len or not self.verify_sizes or num_reqs > self.verify_sizes[-1]:
+            return None  # a prefill chunk, or more drafts than captured
+        return GraphShape(self.verify_sizes[bisect.bisect_left(self.verify_sizes, num_reqs)], self.verify_len)
 
     @torch.inference_mode()
     def capture(self, prefill_tokens: int = WARM_UP_PREFILL_TOKENS) -> None:
@@ -80,13 +114,17 @@ class DecodeGraphs:
                 logger.info("compiled decode steps (batch sizes 1..%d) in %.1f s", self.sizes[-1], time.perf_counter() - start)
             return
         self.warm_up_prefill(prefill_tokens)
-        self._fill_dummy_inputs()
         pool = self.platform.graph_pool()
-        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
-            step = self._step(size)
+        shapes = [GraphShape(s) for s in self.sizes] + [GraphShape(s, self.verify_len) for s in self.verify_sizes]
+        for shape in sorted(shapes, key=lambda g: -g.num_tokens):  # largest first: the smaller graphs reuse its pool memory
+            self._fill_dummy_inputs(shape)
+            step = self._step(shape)
             step()  # compile kernels and create lazy state outside the capture
-            self.replays[size] = self.platform.capture_graph(step, pool)
+            self.replays[shape] = self.platform.capture_graph(step, pool)
         logger.info("captured %d decode graphs (batch sizes %d..%d) in %.1f s", len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - start)
+        if self.verify_sizes:
+            logger.info("captured %d verification graphs of %d tokens per request (batch sizes %d..%d)",
+                        len(self.verify_sizes), self.verify_len, self.verify_sizes[0], self.verify_sizes[-1])
 
     def _compile(self) -> None:
         """``platform.compile_model``, warmed at batch 1 and 2; a model it cannot compile runs eagerly."""
@@ -135,12 +173,12 @@ class DecodeGraphs:
             self.model(b.input_ids.upload(total), b.positions.upload(total))
         self.platform.synchronize()
 
-    def run(self, size: int) -> torch.Tensor:
-        """Replay the graph of ``size`` on the buffers' current contents: hidden states ``[size, hidden]``."""
-        self.replay_counts[size] += 1
+    def run(self, shape: GraphShape) -> torch.Tensor:
+        """Replay the graph of ``shape`` on the buffers' current contents: hidden states ``[shape.num_tokens, hidden]``."""
+        (self.replay_counts if shape.query_len == 1 else self.verify_replay_counts)[shape.num_reqs] += 1
         if self.compiled is not None:
-            return self._run_compiled(size)
-        return self.replays[size]()
+            return self._run_compiled(shape.num_reqs)
+        return self.replays[shape]()
 
     def _run_compiled(self, size: int, forward: Callable | None = None) -> torch.Tensor:
         """The compiled forward (or ``forward``) over the first ``size`` decode rows of the buffers,
@@ -186,24 +224,24 @@ class DecodeGraphs:
         if forward is self.compiled:
             logger.info("decode step of batch size %d compiled in %.1f s", size, time.perf_counter() - start)
 
-    def _step(self, size: int) -> Callable[[], torch.Tensor]:
-        b = self.buffers
+    def _step(self, shape: GraphShape) -> Callable[[], torch.Tensor]:
+        b, size, num_tokens = self.buffers, shape.num_reqs, shape.num_tokens
         metadata = AttentionMetadata(
             num_reqs=size,
-            num_tokens=size,
-            max_query_len=1,
+            num_tokens=num_tokens,
+            max_query_len=shape.query_len,
             # Launch shapes must suit any context length the replay may see.
             max_seq_len=self.max_model_len,
             query_start_loc=b.query_start_loc.dev[: size + 1],
             seq_lens=b.seq_lens.dev[:size],
             block_table=b.block_table[:size],
-            slot_mapping=b.slot_mapping.dev[:size],
+            slot_mapping=b.slot_mapping.dev[:num_tokens],
             query_start_loc_cpu=None,  # host values are not part of a graph
             seq_lens_cpu=None,
             block_size=self.block_size,
         )
         metadata = self.backend.build_metadata(metadata)
-        input_ids, positions = b.input_ids.dev[:size], b.positions.dev[:size]
+        input_ids, positions = b.input_ids.dev[:num_tokens], b.positions.dev[:num_tokens]
 
         def step() -> torch.Tensor:
             with set_forward_context(self.backend, metadata, self.kv_caches):
@@ -211,15 +249,16 @@ class DecodeGraphs:
 
         return step
 
-    def _fill_dummy_inputs(self) -> None:
-        """One query per request over one (uncached) key, so warm-up runs touch no real cache slot."""
-        b, n = self.buffers, self.sizes[-1]
+    def _fill_dummy_inputs(self, shape: GraphShape) -> None:
+        """``query_len`` queries per request over as many (uncached) keys, so warm-up runs touch
+        no real cache slot."""
+        b, n, q = self.buffers, shape.num_reqs, shape.query_len
         for buffer, values in (
-            (b.input_ids, torch.zeros(n, dtype=torch.int64)),
-            (b.positions, torch.zeros(n, dtype=torch.int64)),
-            (b.slot_mapping, torch.full((n,), -1, dtype=torch.int64)),
-            (b.query_start_loc, torch.arange(n + 1, dtype=torch.int32)),
-            (b.seq_lens, torch.ones(n, dtype=torch.int32)),
+            (b.input_ids, torch.zeros(n * q, dtype=torch.int64)),
+            (b.positions, torch.arange(q, dtype=torch.int64).repeat(n)),
+            (b.slot_mapping, torch.full((n * q,), -1, dtype=torch.int64)),
+            (b.query_start_loc, torch.arange(n + 1, dtype=torch.int32) * q),
+            (b.seq_lens, torch.full((n,), q, dtype=torch.int32)),
         ):
             buffer.host[: len(values)] = values
             buffer.upload(len(values))

@@ -18,6 +18,7 @@ from runtime.sample.metadata import is_plain_greedy
 from runtime.sampling_params import SamplingParams
 from runtime.messages import SchedulerOutput
 from runtime.worker.buffers import StepBuffers
+from runtime.worker.graphs import GraphShape
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ class StepInputs:
     query_start_loc_t: torch.Tensor  # [num_reqs + 1] on device
     seq_lens_t: torch.Tensor  # [num_reqs] on device
     sample_mask: np.ndarray = field(default=None)  # [num_reqs] bool: this step yields a token
-    graph_size: int | None = None  # device tensors are padded to this many requests and tokens
+    graph_size: GraphShape | None = None  # device tensors are padded to this captured shape's requests and tokens
 
 
 class InputBatch:
@@ -107,10 +108,10 @@ class InputBatch:
             state = self.requests[req_id]
             self.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
 
-    def prepare(self, so: SchedulerOutput, graph_size: Callable[[int, int], int | None] | None = None) -> StepInputs:
+    def prepare(self, so: SchedulerOutput, graph_shape: Callable[[int, int, int], GraphShape | None] | None = None) -> StepInputs:
         """Flatten the step into the persistent buffers and copy them to the device.
 
-        ``graph_size(num_reqs, num_tokens)`` names the captured graph's batch size to pad
+        ``graph_shape(num_reqs, num_tokens, max_query_len)`` names the captured graph to pad
         to (None: run eagerly on exactly the step's tokens).
         """
         states = [self.requests[req_id] for req_id in so.num_scheduled_tokens]
@@ -126,10 +127,10 @@ class InputBatch:
         token_rows = np.repeat(np.arange(num_reqs), num_scheduled)
         positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][token_rows] + num_computed[token_rows]
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
-        padded = graph_size(num_reqs, num_tokens) if graph_size is not None else None
+        padded = graph_shape(num_reqs, num_tokens, int(num_scheduled.max())) if graph_shape is not None and num_reqs else None
         b = self.buffers
         b.fence.wait()
-        reqs_out, tokens_out = (padded, padded) if padded else (num_reqs, num_tokens)
+        reqs_out, tokens_out = (padded.num_reqs, padded.num_tokens) if padded else (num_reqs, num_tokens)
         # Padding: tokens with no request (slot -1: not cached), requests with no queries.
         b.input_ids.np[:num_tokens] = self.token_ids[rows[token_rows], positions]
         b.input_ids.np[num_tokens:tokens_out] = 0
@@ -159,7 +160,7 @@ class InputBatch:
             input_ids=input_ids,
             positions_t=b.positions.upload(tokens_out),
             slot_mapping=b.slot_mapping.upload(tokens_out),
-            block_table=b.upload_block_table(num_reqs, width, padded),
+            block_table=b.upload_block_table(num_reqs, width, reqs_out if padded else None),
             query_start_loc_t=b.query_start_loc.upload(reqs_out + 1),
             seq_lens_t=b.seq_lens.upload(reqs_out),
             sample_mask=(num_computed + num_scheduled) >= num_all,

@@ -144,14 +144,17 @@ class ModelRunner:
         reason = can_capture(self.platform, self.attn_backend, sizes)
         if reason is None and self.num_stages > 1:
             reason = "pipeline stages hand activations over outside the graph"
-        if reason is None and self.spec_runner is not None:
-            reason = "a speculative proposer runs in the worker (its passes and the verification run eagerly)"
+        if reason is None and self.spec_runner is not None and not self.spec_runner.runs_in_graphs:
+            reason = "the speculative proposer reads the target's layers through hooks, which a replayed graph skips"
         if reason is not None:
             logger.info("running eagerly: %s", reason)
             return
+        spec = self.config.plugin_options.get("speculative_config")
         self.graphs = DecodeGraphs(
             sizes, self.platform, self.model, self.attn_backend, self.kv_caches,
             self.input_batch.buffers, self.block_size, self.model_config.max_model_len,
+            verify_len=1 + int(spec["num_speculative_tokens"]) if spec else 0,
+            max_num_tokens=self.input_batch.buffers.input_ids.host.shape[0],
         )
         self.graphs.capture()
 
@@ -191,7 +194,7 @@ class ModelRunner:
             if connector is not None:
                 connector.wait_for_save()
             return PendingOutput.done(ModelRunnerOutput([], []))
-        inputs = batch.prepare(so, self.graphs.batch_size if self.graphs is not None else None)
+        inputs = batch.prepare(so, self.graphs.shape if self.graphs is not None else None)
         drafts = self.spec_runner.propose(so, inputs, batch.token_ids) if self.spec_runner is not None else None
         if inputs.graph_size is not None:
             hidden = self.graphs.run(inputs.graph_size)[: so.total_num_scheduled_tokens]

@@ -102,6 +102,8 @@ class SpecDecodeRunner:
                 self._capture_layer_inputs(target, layers)
         self.shift = getattr(self.module, "input_shift", 0) if self.module is not None else 1
         self.reads_hidden = self.module is None or self.module.target_hidden is not None
+        # The target's forward may replay a captured graph unless hooks read its layers (EAGLE-3).
+        self.runs_in_graphs = not isinstance(getattr(self.module, "target_hidden", None), tuple)
 
     def _capture_layer_inputs(self, target, layers: tuple[int, ...]) -> None:
         """Keep the residual stream entering the target's decoder layers ``layers`` (EAGLE-3)."""

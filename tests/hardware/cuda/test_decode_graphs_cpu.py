@@ -75,7 +75,7 @@ class ReplayPlugin:
 @pytest.fixture
 def replay_platform():
     saved = plugins._manager
-    manager = plugins.PluginManager(["cpu", "cuda"])
+    manager = plugins.PluginManager(["cpu", "cuda", "spec_decode"])
     platform = ReplayingCpuPlatform()
     manager.register(ReplayPlugin(platform), "replay", "0.0", "runtime-plugin-replay-test")
     plugins.reset_plugin_manager(manager)
@@ -112,6 +112,41 @@ def test_padded_decode_replays_match_transformers(reference, replay_platform, as
     assert sum(replay_platform.replayed.values()) >= NUM_NEW_TOKENS - 1
     if async_scheduling:
         assert llm.llm_engine.engine_core.num_steps_ahead >= NUM_NEW_TOKENS - 2
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_verification_steps_replay_their_own_graphs(tmp_path_factory, replay_platform, proposer):
+    """Speculative decoding: steps of up to 1 + k tokens per request replay verification graphs
+    (padded in requests and tokens; requests with fewer drafts keep their own query lengths),
+    plain decode steps the decode graphs, and the greedy tokens stay transformers'. ngram drafts on
+    the host (some steps verify, some decode); a draft model of the target's own weights runs in
+    the worker before the replay, and all its drafts are accepted."""
+    from spec_decode.engine_runs import repetitive_prompts, spec_counts
+
+    from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE
+
+    path = build_untokenized_model("llama", tmp_path_factory.mktemp("llama"))
+    prompts = repetitive_prompts(UNTOKENIZED_VOCAB_SIZE)
+    expected = reference_outputs(path, prompts, NUM_NEW_TOKENS)
+    k = 3
+    spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+            if proposer == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": k})
+    llm = LLM(path, platform="cpu-replay", attention_backend="triton-replay", dtype="float32", skip_tokenizer_init=True,
+              cuda_graph_sizes=SIZES, max_num_seqs=8, block_size=4, speculative_config=spec)
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    assert graphs.verify_len == 1 + k and graphs.verify_sizes == tuple(SIZES)
+    assert len(replay_platform.captured) == 2 * len(SIZES)
+    lengths = [NUM_NEW_TOKENS - 2 * i for i in range(len(prompts))]  # the batch shrinks: steps pad
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    check_outputs_equal([e[0][:n] for e, n in zip(expected, lengths)], [o.outputs[0].token_ids for o in outputs], proposer)
+    drafted, accepted = spec_counts(llm)
+    assert accepted > 0 and sum(graphs.verify_replay_counts.values()) >= 2, (drafted, accepted, graphs.verify_replay_counts)
+    assert len(graphs.verify_replay_counts) >= 2  # verification steps at several padded sizes
+    if proposer == "self_draft":
+        assert accepted == drafted  # the target's own drafts: every one accepted
+    else:
+        assert sum(graphs.replay_counts.values()) >= 1  # steps without drafts replay the decode graphs
 
 
 def test_enforce_eager_captures_nothing(reference, replay_platform):

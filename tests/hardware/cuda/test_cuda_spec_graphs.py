@@ -1,0 +1,50 @@
+"""On a GPU: speculative verification steps replayed from CUDA graphs keep transformers' tokens.
+
+Each architecture in float32, with host drafts (ngram) and worker drafts (a draft model of
+the target's own weights, so every draft is accepted), in the parity settings that exercise
+prefix caching, chunked prefill and preemption. The CPU twin of these checks, under the
+Triton interpreter with pretend graphs, is test_decode_graphs_cpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from spec_decode.engine_runs import repetitive_prompts, spec_counts
+
+from runtime import SamplingParams
+from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE, build_untokenized_model
+from runtime.testing.reference import check_outputs_equal, reference_outputs
+
+from test_cuda_llm_parity import ARCHS, SETTINGS, cuda_llm
+
+pytestmark = pytest.mark.gpu
+
+NUM_NEW_TOKENS = 24
+K = 3
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def reference(request, tmp_path_factory):
+    path = build_untokenized_model(request.param, tmp_path_factory.mktemp(f"spec-{request.param}"))
+    prompts = repetitive_prompts(UNTOKENIZED_VOCAB_SIZE)
+    return request.param, path, prompts, reference_outputs(path, prompts, NUM_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("setting", ["default", "prefix_caching", "preemption"])
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_verification_graphs_match_transformers(reference, proposer, setting):
+    arch, path, prompts, expected = reference
+    spec = ({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+            if proposer == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": K})
+    llm = cuda_llm(path, "triton", True, speculative_config=spec, **SETTINGS[setting])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, detokenize=False)
+    for _ in range(2 if setting == "prefix_caching" else 1):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], f"{arch}/{proposer}/{setting}")
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    drafted, accepted = spec_counts(llm)
+    assert accepted > 0 and sum(graphs.verify_replay_counts.values()) > 0, (drafted, accepted, graphs.verify_replay_counts)
+    if proposer == "self_draft":
+        assert accepted == drafted
+    if setting == "preemption":
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
