@@ -12,7 +12,8 @@ and the request finishes once :meth:`Grammar.is_terminated`.
 A backend may fill the rows of a whole step at once (``fill_bitmask_batch``, optional: see
 :func:`fill_bitmask_batch`). The scheduler hands the step's bitmask to the worker as a
 :class:`DeferredBitmask`, which the model runner fills after it has queued the forward pass,
-so that the host fills rows while the device computes.
+so that the host fills rows while the device computes (with async scheduling, the engine
+first collects the previous step there, so that the grammars have seen its tokens).
 """
 
 from __future__ import annotations
@@ -99,16 +100,24 @@ class DeferredBitmask:
     The model runner asks for it after queueing the forward pass, so the host fills the rows
     while the device computes. Pickled (a worker in another process), it is filled first and
     arrives as the plain tensor.
+
+    ``before_fill``, when set, is called once just before ``fill()``: with async scheduling the
+    engine sets it to collect the step still in flight, whose tokens the grammars must see
+    before they can say which tokens may follow.
     """
 
-    __slots__ = ("_fill", "_tensor")
+    __slots__ = ("_fill", "_tensor", "before_fill")
 
     def __init__(self, fill: Callable[[], torch.Tensor]):
         self._fill = fill
         self._tensor: torch.Tensor | None = None
+        self.before_fill: Callable[[], object] | None = None
 
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
+            before, self.before_fill = self.before_fill, None
+            if before is not None:
+                before()
             self._tensor, self._fill = self._fill(), None
         return self._tensor
 

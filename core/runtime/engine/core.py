@@ -45,7 +45,7 @@ class EngineCore:
             # scheduled before they are back.
             logger.warning("async scheduling is not supported with speculative decoding yet; running synchronous steps")
             self.async_scheduling = False
-        self.in_flight: tuple[SchedulerOutput, Any] | None = None  # a launched step not yet collected
+        self.in_flight: InFlightStep | None = None  # a launched step not yet collected
         self.num_steps_ahead = 0  # steps queued while the previous one was still running
 
     def validate_request(self, request: EngineCoreRequest) -> None:
@@ -155,17 +155,25 @@ class EngineCore:
         request's token in flight as a placeholder, and the worker reads it from the
         device. Requests whose sampling reads their own output ids on the host
         (penalties, min_tokens, seeds, prompt logprobs) make the engine drain first.
+
+        Constrained requests do not: their grammars must see the previous step's tokens
+        before the next step's bitmask is filled, so the previous step is collected at the
+        fill, which the model runner does once it has queued the next forward pass (a
+        worker in another process gets the bitmask filled, so there the step is collected
+        before the next one is sent).
         """
         previous, self.in_flight = self.in_flight, None
         if self.scheduler.has_requests() and (previous is None or self.scheduler.can_schedule_ahead()):
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.is_empty or scheduler_output.finished_req_ids or scheduler_output.kv_connector_metadata:
-                self.in_flight = (scheduler_output, self.executor.execute_model_async(scheduler_output))
+                if previous is not None and scheduler_output.grammar_bitmask is not None:
+                    scheduler_output.grammar_bitmask.before_fill = previous.collect
+                pending = self.executor.execute_model_async(scheduler_output)
+                self.in_flight = InFlightStep(self.scheduler, scheduler_output, pending)
                 self.num_steps_ahead += previous is not None
         if previous is None:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.stats())
-        scheduler_output, pending = previous
-        return self.scheduler.update_from_output(scheduler_output, pending.result())
+        return previous.collect()
 
     def finish_kv_saves(self, max_steps: int = 4) -> None:
         """Run the steps that only save blocks to the KV offload tiers (finished requests' KV,
@@ -190,6 +198,24 @@ class EngineCore:
         if self.structured_output is not None:
             self.structured_output.shutdown()
         self.executor.shutdown()
+
+
+class InFlightStep:
+    """A launched step: ``collect()`` waits for its tokens and runs the scheduler's
+    ``update_from_output`` on them, once (later calls return the same outputs)."""
+
+    __slots__ = ("scheduler", "scheduler_output", "pending", "outputs")
+
+    def __init__(self, scheduler: Scheduler, scheduler_output: SchedulerOutput, pending: Any):
+        self.scheduler = scheduler
+        self.scheduler_output = scheduler_output
+        self.pending = pending  # the executor's PendingOutput / PendingStep
+        self.outputs: EngineCoreOutputs | None = None
+
+    def collect(self) -> EngineCoreOutputs:
+        if self.outputs is None:
+            self.outputs = self.scheduler.update_from_output(self.scheduler_output, self.pending.result())
+        return self.outputs
 
 
 def make_proposer(config: EngineConfig):

@@ -24,6 +24,7 @@ import zmq
 from runtime.config import EngineConfig
 from runtime.executor import worker_proc
 from runtime.messages import ModelRunnerOutput, SchedulerOutput
+from runtime.structured_output import resolve_bitmask
 
 POLL_MS = 100  # how often a wait looks at the workers
 STARTUP_TIMEOUT_S = 600.0
@@ -122,6 +123,10 @@ class BroadcastExecutor:
         return self.execute_model_async(scheduler_output).result()
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> "PendingStep":
+        if scheduler_output.grammar_bitmask is not None:
+            # Filled before any of the step is pickled: the fill may first collect the step in
+            # flight (async scheduling), which must not change what the workers are sent.
+            resolve_bitmask(scheduler_output.grammar_bitmask)
         seq = self._broadcast("execute_model", (scheduler_output,), {}, reply_ranks=set(self.step_ranks))
         return PendingStep(self, seq)
 

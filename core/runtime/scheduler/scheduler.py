@@ -205,7 +205,8 @@ class Scheduler:
         return output
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """The allowed next tokens of every scheduled constrained request that samples this step."""
+        """The allowed next tokens of every scheduled constrained request that samples this step (one
+        with a token in flight decodes: its computed tokens pass the known ones, so it has a row)."""
         requests = self.requests
         constrained = [
             request

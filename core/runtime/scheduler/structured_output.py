@@ -10,8 +10,9 @@ ValueError naming the problem; the engine goes on with the others.
 Each step, :meth:`StructuredOutputManager.grammar_bitmask` gives the scheduled constrained
 requests their bitmask rows, to be filled with their grammars' allowed next tokens when the
 model runner asks for them: after it has queued the step's forward pass, so that the host
-fills them while the device computes (the grammars do not move in between: they advance in
-``update_from_output``, on the tokens that come back). The worker applies the bitmask to the
+fills them while the device computes. The grammars advance in ``update_from_output``, on the
+tokens that come back; with async scheduling the engine collects the step in flight just
+before the fill, so that the rows follow its tokens. The worker applies the bitmask to the
 logits on the device before sampling.
 """
 
@@ -170,12 +171,31 @@ class StructuredOutputManager:
         """Rows of allowed next tokens for ``requests`` (each with a ready grammar):
         ``({request_id: row}, bitmask)``; the bitmask's ``tensor()`` is a new CPU int32 tensor
         (see :func:`runtime.structured_output.allocate_token_bitmask`) that the step owns,
-        filled when first asked for."""
+        filled when first asked for (see :meth:`fill_rows`)."""
         from runtime.structured_output import DeferredBitmask
 
-        grammars = [request.grammar.grammar for request in requests]
         rows = {request.request_id: row for row, request in enumerate(requests)}
-        return rows, DeferredBitmask(lambda: self.fill_bitmask(grammars))
+        return rows, DeferredBitmask(lambda: self.fill_rows(requests))
+
+    def fill_rows(self, requests: list[Request]) -> torch.Tensor:
+        """A new bitmask, row ``i`` for ``requests[i]``'s grammar as it is now.
+
+        With async scheduling the step in flight is collected first (see
+        :class:`runtime.structured_output.DeferredBitmask`), and it may have finished some of
+        ``requests`` (grammar complete, stop token, max_tokens): their rows allow every token,
+        since the token they sample is dropped.
+        """
+        import torch
+
+        from runtime.structured_output import allocate_token_bitmask
+
+        live = [row for row, request in enumerate(requests) if not request.is_finished()]
+        if len(live) == len(requests):
+            return self.fill_bitmask([request.grammar.grammar for request in requests])
+        bitmask = allocate_token_bitmask(len(requests), self.vocab_size)
+        if live:
+            bitmask[torch.tensor(live)] = self.fill_bitmask([requests[row].grammar.grammar for row in live])
+        return bitmask
 
     def fill_bitmask(self, grammars: list[Grammar]) -> torch.Tensor:
         """A new bitmask, row ``i`` filled by ``grammars[i]`` (the backend's batched fill where it has one)."""
