@@ -51,3 +51,23 @@ def test_bad_peer_prefix_is_rejected(model):
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode != 0 and "--hf-num-prompts must be in 1..3" in result.stderr
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_structured_throughput_reaches_the_engine_with_async_scheduling(tmp_path_factory, tmp_path, async_scheduling):
+    pytest.importorskip("runtime_outlines")
+    import json
+
+    from runtime.testing.models import build_tiny_model
+
+    model = build_tiny_model("llama", tmp_path_factory.mktemp("structured_bench"))  # SmolLM2's tokenizer
+    report = tmp_path / "structured.json"
+    flag = "--async-scheduling" if async_scheduling else "--no-async-scheduling"
+    out = run_bench("throughput", "--model", model, "--load-format", "dummy", "--dtype", "float32", "--platform", "cpu",
+                    "--structured-output", "json", "--num-prompts", "8", "--input-len", "4,8", "--output-len", "24,24",
+                    "--backends", "runtime", "--quiet", flag, "--output-json", str(report))
+    assert re.search(r"^runtime json\s+[\d.]+\s+[\d.]+$", out, re.M) and "constrained / unconstrained:" in out, out
+    result = json.loads(report.read_text())
+    assert len(result["lengths"]) == 8 and 0 <= result["valid"] <= 8
+    # Both runs queue steps ahead with --async-scheduling (constrained ones too), none without.
+    assert (result["num_steps_ahead"] > 0) == async_scheduling

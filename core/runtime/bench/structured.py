@@ -4,7 +4,8 @@ The same requests run twice in one engine: first each constrained by one of a fi
 JSON schemas (greedy, until the grammar completes or ``--output-len``'s maximum), then free,
 each with exactly as many output tokens as its constrained run produced (``ignore_eos``), so
 both runs compute the same tokens and the difference is the structured-output machinery:
-grammar advance, bitmask fill and masking. Compile time is measured per schema, cold, with
+grammar advance, bitmask fill and masking (neither run detokenizes; the constrained outputs
+are decoded after the clock stops, to count those that parse). Compile time is measured per schema, cold, with
 the engine's own guided backend. The peer is transformers ``generate`` with a logits
 processor on the same outlines-core grammars (padded batches, greedy).
 """
@@ -70,8 +71,10 @@ def run_runtime_structured(args, workload, llm_kwargs: dict) -> dict:
     times = compile_times(llm)
     max_tokens = max(workload.output_lens)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    # Both runs skip incremental detokenization: they differ only by the constraint. The
+    # constrained outputs are decoded after the clock stops, to count the valid ones.
     constrained = [
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=True,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False,
                        structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]))
         for i in range(len(prompts))
     ]
@@ -81,13 +84,16 @@ def run_runtime_structured(args, workload, llm_kwargs: dict) -> dict:
     outputs = llm.generate(prompts, constrained, use_tqdm=not args.quiet)
     constrained_s = time.perf_counter() - start
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
-    valid = sum(_is_json_object(o.outputs[0].text) for o in outputs)
+    tokenizer = llm.get_tokenizer()
+    valid = sum(_is_json_object(tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True)) for o in outputs)
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
     start = time.perf_counter()
     free_outputs = llm.generate(prompts, free, use_tqdm=not args.quiet)
     free_s = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in free_outputs] == lengths
-    return {"constrained_s": constrained_s, "free_s": free_s, "lengths": lengths, "valid": valid, "compile_s": times}
+    steps_ahead = llm.llm_engine.engine_core.num_steps_ahead  # > 0: --async-scheduling reached the engine
+    return {"constrained_s": constrained_s, "free_s": free_s, "lengths": lengths, "valid": valid, "compile_s": times,
+            "num_steps_ahead": steps_ahead}
 
 
 def _is_json_object(text: str) -> bool:
