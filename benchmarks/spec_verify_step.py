@@ -77,15 +77,18 @@ def main() -> None:
         rows.append(("decode (eager)", batch, *time_per_step(eager, batch, args.prompt_len, args.new_tokens)))
     del eager
     release()
-    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": args.k}, **common)
-    spec.llm_engine.engine_core.proposer = AlwaysDraft(args.k)
-    for batch in args.batch_sizes:
-        # Each step emits 1 token (drafts rejected), so the same number of steps as decoding.
-        rows.append((f"verify 1+{args.k}", batch, *time_per_step(spec, batch, args.prompt_len, args.new_tokens)))
-    print(f"\n{'step':<18} {'batch':>5} {'ms/step':>9} {'steps':>6} {'vs graphs':>10}")
+    for label, eager_flag in ((f"verify 1+{args.k} (graphs)", False), (f"verify 1+{args.k} (eager)", True)):
+        spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": args.k}, enforce_eager=eager_flag, **common)
+        spec.llm_engine.engine_core.proposer = AlwaysDraft(args.k)
+        for batch in args.batch_sizes:
+            # Each step emits 1 token (drafts rejected), so the same number of steps as decoding.
+            rows.append((label, batch, *time_per_step(spec, batch, args.prompt_len, args.new_tokens)))
+        del spec
+        release()
+    print(f"\n{'step':<22} {'batch':>5} {'ms/step':>9} {'steps':>6} {'vs graphs':>10}")
     base = {b: t for name, b, t, _ in rows if name == "decode (graphs)"}
     for name, batch, t, steps in rows:
-        print(f"{name:<18} {batch:>5} {t * 1e3:>9.3f} {steps:>6} {t / base[batch]:>9.2f}x")
+        print(f"{name:<22} {batch:>5} {t * 1e3:>9.3f} {steps:>6} {t / base[batch]:>9.2f}x")
     print(json.dumps([dict(step=n, batch=b, ms=t * 1e3) for n, b, t, _ in rows]))
 
 

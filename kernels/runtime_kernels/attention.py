@@ -36,14 +36,16 @@ class AttentionTiles:
 
 
 def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2) -> AttentionTiles:
-    """Small programs for decode-only batches, larger ones when prefill chunks are present.
+    """Small programs for decode-only batches (and the few queries per request of speculative
+    verification), larger ones when prefill chunks are present.
 
     Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step with two
     warps and three stages: the fastest in the H200 sweep of benchmarks/RESULTS.md, where
     the conversion to float16, not memory, still bounds it.
     """
     head_pad = next_power_of_2(max(head_size, 16))
-    rows = 16 if max_query_len * num_queries_per_kv <= 16 else (64 if head_pad <= 128 else 32)
+    rows_needed = max_query_len * num_queries_per_kv
+    rows = 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else (64 if head_pad <= 128 else 32)
     block_m = max(rows, next_power_of_2(num_queries_per_kv))
     tile_n = 64 if head_pad <= 128 else 32
     if cache_bytes == 1 and max_query_len == 1:
@@ -59,10 +61,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def num_kv_segments(
-    max_query_len: int, max_seq_len: int | None, num_reqs: int, num_kv_heads: int, tile_n: int, device: torch.device
+    max_query_len: int, max_seq_len: int | None, num_reqs: int, num_kv_heads: int, tile_n: int, device: torch.device,
+    block_q: int = 1,
 ) -> int:
-    """Split-KV segments for decode-only batches whose programs would not fill the GPU (else 1)."""
-    if max_query_len != 1 or not max_seq_len:
+    """Split-KV segments for batches whose programs would not fill the GPU (else 1): decode-only
+    steps, and steps whose requests' queries each fit one program's ``block_q`` (speculative
+    verification), so that a request has one program per kv head."""
+    if max_query_len > max(block_q, 1) or not max_seq_len:
         return 1
     programs, target = num_reqs * num_kv_heads, 2 * _num_sms(device)
     if programs >= target:
@@ -110,7 +115,8 @@ def unified_attention(
     tiles = attention_tiles(max_query_len, num_heads // num_kv_heads, head_size, key_cache.element_size())
     head_pad = next_power_of_2(max(head_size, 16))
     if num_segments is None:
-        num_segments = num_kv_segments(max_query_len, max_seq_len, num_reqs, num_kv_heads, tiles.tile_n, query.device)
+        num_segments = num_kv_segments(max_query_len, max_seq_len, num_reqs, num_kv_heads, tiles.tile_n, query.device,
+                                       tiles.block_q)
     if num_segments != next_power_of_2(num_segments):
         raise ValueError(f"num_segments must be a power of two, got {num_segments}")
     f16_dots = key_cache.element_size() == 1 and query.dtype in (torch.bfloat16, torch.float16)

@@ -65,6 +65,7 @@ def compile_elementwise():
 
 if __name__ == "__main__":
     compile_attention("bf16", 128, 2, 16, False, False, 8)
+    compile_attention("bf16", 128, 4, 32, False, False, 4)  # speculative verification: 1 + k queries, split-KV
     compile_attention("fp32", 64, 3, 64, True, True, 1)
     compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
     compile_elementwise()

@@ -91,11 +91,29 @@ def test_split_kv_segments(device, requests, num_segments, window, softcap):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_segments_only_for_small_decode_batches():
+def test_segments_only_for_small_batches_of_few_queries():
     assert num_kv_segments(1, 4096, 2, 8, 64, torch.device("cpu")) == 16  # 16 programs, long context
     assert num_kv_segments(1, 300, 2, 8, 64, torch.device("cpu")) == 1  # too short to split
     assert num_kv_segments(1, 4096, 256, 8, 64, torch.device("cpu")) == 1  # the GPU is full already
     assert num_kv_segments(5, 4096, 2, 8, 64, torch.device("cpu")) == 1  # prefill present
+    # Speculative verification: 1 + 4 queries per request fit one program's 8 query rows.
+    assert num_kv_segments(5, 4096, 2, 8, 64, torch.device("cpu"), block_q=8) == 16
+    assert num_kv_segments(9, 4096, 2, 8, 64, torch.device("cpu"), block_q=8) == 1  # two programs per request
+
+
+def test_verification_batch_splits_its_keys(device):
+    """Up to 1 + 4 queries per request (some with fewer drafts) over long contexts: 32-row tiles,
+    split-KV chosen on its own, and the same attention as the reference."""
+    tiles = attention_tiles(5, 4, 64)
+    assert (tiles.block_m, tiles.block_q) == (32, 8)
+    requests = [(300, 5), (41, 2), (700, 5), (9, 1)]
+    batch = make_batch(requests, 16, 4, 64, 16, torch.float32, device, seed=6)
+    query, kv, qsl, seq_lens, table, max_q = batch
+    assert num_kv_segments(max_q, int(seq_lens.max()), len(requests), 4, tiles.tile_n, torch.device("cpu"), tiles.block_q) > 1
+    out = torch.full_like(query, float("nan"))
+    unified_attention(query, kv[0], kv[1], out, qsl, seq_lens, table, max_q, 0.125, max_seq_len=int(seq_lens.max()))
+    ref = unified_attention_ref(query, kv[0], kv[1], qsl, seq_lens, table, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
