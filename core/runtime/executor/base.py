@@ -31,7 +31,10 @@ class Executor(Protocol):
         """Queue one step on the workers and return at once; ``result()`` gives the output.
 
         The engine may queue the next step before reading this one's result (async
-        scheduling); the workers take the newest tokens from the device then.
+        scheduling); the workers take the newest tokens from the device then. A step's
+        ``grammar_bitmask`` may be a :class:`runtime.structured_output.DeferredBitmask` whose
+        fill first collects the previous step: an executor that sends the step to another
+        process fills it (``resolve_bitmask``) before serializing any of the step.
         """
 
     def collective_rpc(
