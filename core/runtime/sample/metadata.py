@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from runtime.sample.upload import upload
 from runtime.sampling_params import SamplingParams
 
 
@@ -89,7 +90,7 @@ def build_sampling_metadata(
     random_params = [p for p, greedy in zip(params, is_greedy) if not greedy]
 
     def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return upload(values, torch.float32, device)
 
     temperature = top_k = top_p = min_p = None
     max_top_k = 0
@@ -97,7 +98,7 @@ def build_sampling_metadata(
         temperature = floats([0.0 if g else p.temperature for p, g in zip(params, is_greedy)])
         if any(p.top_k > 0 for p in random_params):
             ks = [min(p.top_k, vocab_size) if not g else 0 for p, g in zip(params, is_greedy)]
-            top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            top_k = upload(ks, torch.int64, device)
             max_top_k = max(ks)
         if any(p.top_p < 1.0 for p in random_params):
             top_p = floats([1.0 if g else p.top_p for p, g in zip(params, is_greedy)])
@@ -144,7 +145,7 @@ def _pad(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.
     padded = np.full((len(rows), width), vocab_size, dtype=np.int64)
     for i, row in enumerate(rows):
         padded[i, : len(row)] = row
-    return torch.from_numpy(padded).to(device)
+    return upload(padded, torch.int64, device)
 
 
 def _logit_bias(
@@ -163,9 +164,9 @@ def _logit_bias(
     if not rows:
         return None
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(token_ids, dtype=torch.int64, device=device),
-        torch.tensor(values, dtype=torch.float32, device=device),
+        upload(rows, torch.int64, device),
+        upload(token_ids, torch.int64, device),
+        upload(values, torch.float32, device),
     )
 
 
@@ -185,6 +186,6 @@ def _min_tokens_mask(
     if not rows:
         return None
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        upload(rows, torch.int64, device),
+        upload(token_ids, torch.int64, device),
     )

@@ -20,7 +20,7 @@ def apply_logit_bias(
 def apply_min_tokens_mask(logits: torch.Tensor, mask: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Forbid the stop tokens of rows that have not reached min_tokens. logits: [N, V]."""
     rows, token_ids = mask  # each [S]
-    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    minus_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)  # a fill, not a host copy
     return logits.index_put((rows, token_ids), minus_inf)
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -59,6 +60,7 @@ from runtime.sample.filters import (
 from runtime.sample.logprobs import LogprobsTensors, gather_logprobs
 from runtime.sample.metadata import SamplingMetadata
 from runtime.sample.sampler import Sampler
+from runtime.sample.upload import upload
 
 PLACEHOLDER_TOKEN_ID = -1  # fills output_token_ids after each request's emitted tokens
 
@@ -82,8 +84,8 @@ class RejectionSamplerOutput:
 
     def token_lists(self) -> list[list[int]]:
         """Each request's emitted tokens as a Python list (one device sync)."""
-        counts = (self.num_accepted + 1).tolist()
-        return [row[:n] for row, n in zip(self.output_token_ids.tolist(), counts)]
+        rows = torch.cat([self.num_accepted[:, None], self.output_token_ids], dim=1).tolist()
+        return [row[1 : row[0] + 2] for row in rows]
 
 
 @dataclass(slots=True)
@@ -105,27 +107,23 @@ class SpecDecodeLayout:
 
     @classmethod
     def build(cls, num_draft_tokens: Sequence[int] | torch.Tensor, device: torch.device | str) -> SpecDecodeLayout:
-        counts = [int(k) for k in (num_draft_tokens.tolist() if torch.is_tensor(num_draft_tokens) else num_draft_tokens)]
-        bad = [k for k in counts if k < 0]
-        if bad:
-            raise ValueError(f"num_draft_tokens must be >= 0 for every request, got {bad[0]}")
-        num_reqs = len(counts)
-        num_drafts = sum(counts)
-        k = torch.tensor(counts, dtype=torch.int64, device=device)
-        cu = k.cumsum(0)
+        """Computed on the host (the counts are host values) and uploaded in one asynchronous copy."""
+        k = np.asarray(num_draft_tokens.tolist() if torch.is_tensor(num_draft_tokens) else num_draft_tokens, dtype=np.int64)
+        if (k < 0).any():
+            raise ValueError(f"num_draft_tokens must be >= 0 for every request, got {int(k[k < 0][0])}")
+        num_reqs, num_drafts = len(k), int(k.sum())
+        cu = np.cumsum(k)
         draft_start = cu - k
-        reqs = torch.arange(num_reqs, dtype=torch.int64, device=device)
+        reqs = np.arange(num_reqs, dtype=np.int64)
         row_start = draft_start + reqs
-        draft_req = reqs.repeat_interleave(k, output_size=num_drafts)
-        draft_pos = torch.arange(num_drafts, dtype=torch.int64, device=device) - draft_start[draft_req]
-        row_req = reqs.repeat_interleave(k + 1, output_size=num_drafts + num_reqs)
-        row_pos = torch.arange(num_drafts + num_reqs, dtype=torch.int64, device=device) - row_start[row_req]
-        return cls(
-            num_draft_tokens=k, cu_num_draft_tokens=cu, draft_start=draft_start, row_start=row_start,
-            draft_req=draft_req, draft_pos=draft_pos, draft_rows=row_start[draft_req] + draft_pos,
-            row_req=row_req, row_pos=row_pos, max_k=max(counts, default=0),
-            num_drafts=num_drafts, num_rows=num_drafts + num_reqs,
-        )
+        draft_req = np.repeat(reqs, k)
+        draft_pos = np.arange(num_drafts, dtype=np.int64) - draft_start[draft_req]
+        row_req = np.repeat(reqs, k + 1)
+        row_pos = np.arange(num_drafts + num_reqs, dtype=np.int64) - row_start[row_req]
+        parts = (k, cu, draft_start, row_start, draft_req, draft_pos, row_start[draft_req] + draft_pos, row_req, row_pos)
+        packed = upload(np.concatenate(parts), torch.int64, device)
+        views = packed.split([len(p) for p in parts])
+        return cls(*views, max_k=int(k.max(initial=0)), num_drafts=num_drafts, num_rows=num_drafts + num_reqs)
 
 
 def max_drafts_for_min_tokens(min_tokens: int, num_output_tokens: int, k: int) -> int:

@@ -15,6 +15,7 @@ from runtime.forward_context import set_forward_context
 from runtime.kv_transfer import KVConnectorRole, make_kv_connector
 from runtime.models.ops import custom_ops_scope
 from runtime.sample.metadata import greedy_metadata
+from runtime.sample.upload import upload
 from runtime.structured_output import resolve_bitmask
 from runtime.worker.graphs import DecodeGraphs, can_capture
 from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
@@ -220,7 +221,7 @@ class ModelRunner:
         if len(sample_rows) == hidden.shape[0]:  # a decode step: every token is sampled
             logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         else:
-            last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_rows] - 1).to(self.device)
+            last_token = upload(inputs.query_start_loc[1:][sample_rows] - 1, torch.int64, self.device)
             logits = self.model.compute_logits(hidden[last_token])
         if so.grammar_bitmask is not None:
             self._apply_grammar_bitmask(so, states, logits)
@@ -258,12 +259,12 @@ class ModelRunner:
         token_end = inputs.query_start_loc[1:][sample_rows].astype(np.int64)  # exclusive end of its tokens
         # logits row t of request i reads token t + (token_end[i] - row_end[i]): its last counts[i] tokens
         index = np.arange(int(row_end[-1]), dtype=np.int64) + np.repeat(token_end - row_end, counts)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        logits = self.model.compute_logits(hidden[upload(index, torch.int64, self.device)])
         if so.grammar_bitmask is not None:
             # Constrained requests get no drafts: their one row is their last.
             self._apply_grammar_bitmask(so, states, logits, (row_end - 1).tolist())
         metadata = greedy_metadata(len(states)) if plain else self._sampling_metadata(states)
-        draft_ids = torch.tensor([t for s in states for t in spec.get(s.req_id, ())], dtype=torch.int64, device=self.device)
+        draft_ids = upload([t for s in states for t in spec.get(s.req_id, ())], torch.int64, self.device)
         output = self.rejection_sampler(logits, draft_ids, num_drafts, metadata, drafts.probs if drafts is not None else None)
         if self.world_size > 1:  # every rank keeps the output rank's tokens, as after plain sampling
             broadcast_from_last_stage(output.output_token_ids)
@@ -332,7 +333,7 @@ class ModelRunner:
                 result[state.req_id] = LogprobsLists([], [], [])
                 continue
             offset = int(inputs.query_start_loc[i])
-            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            targets = upload(state.prompt_token_ids[start + 1 : end + 1], torch.int64, self.device)
             pieces = []
             for lo in range(0, end - start, PROMPT_LOGPROBS_CHUNK):
                 hi = min(lo + PROMPT_LOGPROBS_CHUNK, end - start)
