@@ -132,6 +132,15 @@ def test_constrained_requests_alone_are_scheduled_ahead(strict_backend, model_pa
     assert core.scheduler.can_schedule_ahead() and not core.scheduler.requests
 
 
+def test_constrained_requests_that_read_host_outputs_still_drain(strict_backend, model_path):
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    params = [constrained(SEQUENCES, repetition_penalty=1.3), constrained(LONG, min_tokens=4, max_tokens=6)]
+    sync = make_llm(model_path, False).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(model_path, True)
+    assert completions(llm.generate(prompts, params, use_tqdm=False)) == completions(sync)
+    assert llm.llm_engine.engine_core.num_steps_ahead == 0  # penalties and min_tokens read output ids on the host
+
+
 def test_random_sampling_with_n_stays_inside_the_grammar(strict_backend, model_path):
     llm = make_llm(model_path, True)
     params = constrained(SEQUENCES, temperature=1.5, n=6, logprobs=2)
