@@ -85,7 +85,7 @@ def completions(outputs) -> list[list[tuple]]:
     return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
 
 
-# Each ends while its next step is already queued, one way or another.
+# Each but max_tokens ends while its next step is already queued (no step is queued past max_tokens).
 ENDINGS = [
     constrained([[100, 200, 300]]),  # the grammar completes on a text token
     constrained([[100, 200, 300, 301, 302]], stop_token_ids=[300]),  # a stop token, inside the grammar
