@@ -31,9 +31,29 @@ def test_latency_reports_ttft_and_tpot_for_both_backends(model):
                     "--num-iters", "1", "--num-iters-warmup", "0", "--backends", "runtime,hf")
     rows = {m.group(1): [float(x) for x in m.group(2).split()] for m in re.finditer(r"^(runtime|hf)\s+(.+)$", out, re.M)}
     assert set(rows) == {"runtime", "hf"}, out
-    for latency, ttft_ms, tpot_ms in rows.values():
+    for latency, ttft_ms, tpot_ms, tokens in rows.values():
         assert latency > 0 and ttft_ms > 0 and tpot_ms > 0
         assert ttft_ms / 1000 < latency  # one token is quicker than six
+        assert tokens == 6  # EOS ignored
+
+
+def test_latency_on_code_editing_chats_with_speculating_peers(tmp_path):
+    """--dataset code-edit: chat-templated prompts, answers ending at EOS (at most --output-len),
+    the engine speculating by ngram and transformers by prompt lookup, batch 1."""
+    from runtime.testing.models import smollm2_tokenizer
+
+    folder = tiny_config_folder(hidden=64, layers=2, vocab=49152)
+    smollm2_tokenizer().save_pretrained(folder)  # a real tokenizer with a chat template
+    out = run_bench("latency", "--model", folder, "--load-format", "dummy", "--dtype", "float32", "--platform", "cpu",
+                    "--dataset", "code-edit", "--output-len", "12", "--batch-size", "1", "--num-iters", "1",
+                    "--num-iters-warmup", "0", "--backends", "runtime,hf", "--hf-prompt-lookup-num-tokens", "3",
+                    "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert re.search(r"batch 1 x \(code-editing chats of \d+-\d+ tokens, answers up to 12\)", out), out
+    rows = {m.group(1): [float(x) for x in m.group(2).split()] for m in re.finditer(r"^(runtime|hf)\s+(.+)$", out, re.M)}
+    assert set(rows) == {"runtime", "hf"}, out
+    for latency, ttft_ms, tpot_ms, tokens in rows.values():
+        assert latency > 0 and ttft_ms > 0 and tpot_ms > 0 and 1 <= tokens <= 12
+    assert re.search(r"runtime: speculative decoding, mean acceptance length (\S+)", out), out
 
 
 def test_throughput_peer_on_a_prefix_of_the_workload(model):

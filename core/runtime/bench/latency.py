@@ -6,6 +6,13 @@ ignored). The end-to-end latency is averaged over ``--num-iters`` runs after
 ``--num-iters-warmup``; the same batch with one output token gives the time to
 first token (TTFT), and the time per output token is
 ``(latency - TTFT) / (output_len - 1)``. Transformers' ``generate`` is the peer.
+
+``--dataset code-edit`` takes chat prompts that ask for a given function back with a
+small change (:mod:`runtime.bench.code_edit`) instead, greedy, each answer ending at its
+EOS or ``--output-len``: the time per output token then divides by the tokens each request
+produced. With speculative decoding (``--speculative-config``) the peer may speculate too:
+``--hf-prompt-lookup-num-tokens N`` (prompt lookup) or ``--hf-assistant-model PATH``
+(assisted generation with a draft model), both batch 1.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ class LatencyResult:
     # Speculative decoding: tokens emitted per request and verification step (1 + accepted
     # drafts / drafts, vLLM's mean acceptance length) over the timed runs; None when off.
     acceptance_length: float | None = None
+    output_tokens: float | None = None  # mean tokens per request when answers end at EOS
 
     def tpot_ms(self, output_len: int) -> float:
-        return 1000 * (self.latency_s - self.ttft_s) / max(output_len - 1, 1)
+        tokens = self.output_tokens if self.output_tokens is not None else output_len
+        return 1000 * (self.latency_s - self.ttft_s) / max(tokens - 1, 1)
 
 
 def _mean_time(run: Callable[[int], None], num_tokens: int, iters: int, warmup: int) -> float:
@@ -49,11 +58,14 @@ def runtime_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
 
     llm = LLM(**engine_kwargs(args))
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    natural = args.dataset != "random"
 
     def run(num_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, detokenize=False)
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=not natural, detokenize=False)
         outputs = llm.generate(inputs, params, use_tqdm=False)
-        assert all(len(o.outputs[0].token_ids) == num_tokens for o in outputs)
+        counts = [len(o.outputs[0].token_ids) for o in outputs]
+        assert natural or all(n == num_tokens for n in counts)
+        run.output_tokens = statistics.fmean(counts)
 
     run.spec_counts = lambda: spec_decode_counts(llm)
     return run
@@ -84,11 +96,23 @@ def hf_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
 
     model = _hf_model(args)
     ids = torch.tensor(prompts, device=model.device)
+    natural = args.dataset != "random"
+    speculation = {}
+    if args.hf_prompt_lookup_num_tokens:
+        speculation["prompt_lookup_num_tokens"] = args.hf_prompt_lookup_num_tokens
+    if args.hf_assistant_model:
+        from runtime.bench.hf_peer import load_hf_model
+
+        speculation["assistant_model"] = load_hf_model(args.hf_assistant_model, model.dtype, False, args.seed)
+    if speculation and len(prompts) != 1:
+        raise ValueError(f"transformers speculates for one request at a time: --batch-size must be 1, got {len(prompts)}")
 
     @torch.inference_mode()
     def run(num_tokens: int) -> None:
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
-                       min_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
+        stop = {} if natural else {"min_new_tokens": num_tokens}
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                             do_sample=False, pad_token_id=0, **stop, **speculation)
+        run.output_tokens = out.shape[1] - ids.shape[1]
 
     return run
 
@@ -99,8 +123,9 @@ def measure(args, backend: str, prompts: list[list[int]]) -> LatencyResult:
     before = spec_counts()
     latency = _mean_time(run, args.output_len, args.num_iters, args.num_iters_warmup)
     acceptance = mean_acceptance_length(before, spec_counts())
+    output_tokens = run.output_tokens if args.dataset != "random" else None  # greedy: every run the same
     ttft = _mean_time(run, 1, args.num_iters, args.num_iters_warmup)
-    return LatencyResult(backend, latency, ttft, acceptance)
+    return LatencyResult(backend, latency, ttft, acceptance, output_tokens)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=3)
     parser.add_argument("--backends", default="runtime", help=f"comma-separated, from {', '.join(BACKENDS)}")
     parser.add_argument("--hf-dtype", default=None, help="dtype of the transformers peer (default: --dtype)")
+    parser.add_argument("--dataset", choices=("random", "code-edit"), default="random",
+                        help="random token prompts of --input-len (EOS ignored), or code-editing chats answered until EOS")
+    parser.add_argument("--hf-prompt-lookup-num-tokens", type=int, default=0,
+                        help="the transformers peer speculates by prompt lookup with this many tokens (batch 1)")
+    parser.add_argument("--hf-assistant-model", default=None,
+                        help="the transformers peer speculates with this draft model (assisted generation, batch 1)")
     add_engine_args(parser)
 
 
@@ -137,16 +168,23 @@ def main(args) -> int:
         from runtime.cli.serve import default_model_path
 
         args.model = default_model_path()
-    vocab = int(resolve_model(args.model).hf_config.vocab_size)
-    rng = random.Random(args.seed)
-    low_id = min(100, vocab // 2)
-    prompts = [[rng.randrange(low_id, vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+    if args.dataset == "code-edit":
+        from runtime.bench.code_edit import code_edit_prompts
+
+        prompts = code_edit_prompts(args.model, args.batch_size, args.trust_remote_code)
+        shape = f"code-editing chats of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, answers up to {args.output_len}"
+    else:
+        vocab = int(resolve_model(args.model).hf_config.vocab_size)
+        rng = random.Random(args.seed)
+        low_id = min(100, vocab // 2)
+        prompts = [[rng.randrange(low_id, vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+        shape = f"{args.input_len} prompt + {args.output_len} output tokens"
     results = [measure(args, b, prompts) for b in backends]
-    print(f"\nbatch {args.batch_size} x ({args.input_len} prompt + {args.output_len} output tokens), "
-          f"mean of {args.num_iters} runs")
-    print(f"{'backend':<10} {'latency s':>10} {'TTFT ms':>9} {'TPOT ms':>9}")
+    print(f"\nbatch {args.batch_size} x ({shape}), mean of {args.num_iters} runs")
+    print(f"{'backend':<10} {'latency s':>10} {'TTFT ms':>9} {'TPOT ms':>9} {'tokens':>7}")
     for r in results:
-        print(f"{r.backend:<10} {r.latency_s:>10.3f} {1000 * r.ttft_s:>9.2f} {r.tpot_ms(args.output_len):>9.2f}")
+        tokens = r.output_tokens if r.output_tokens is not None else args.output_len
+        print(f"{r.backend:<10} {r.latency_s:>10.3f} {1000 * r.ttft_s:>9.2f} {r.tpot_ms(args.output_len):>9.2f} {tokens:>7.1f}")
     for r in results:
         if r.acceptance_length is None:
             continue
