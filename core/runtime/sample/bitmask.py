@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.sample.upload import upload
+
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -37,11 +39,11 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
     """Set the logits of disallowed tokens to -inf, in place: row ``rows[i]`` of ``logits`` (or row
     ``i`` when ``rows`` is None) by row ``i`` of ``bitmask`` (on any device; copied to the logits')."""
-    bitmask = bitmask.to(logits.device, non_blocking=True)
+    bitmask = upload(bitmask, torch.int32, logits.device)  # queued: the host does not wait for the forward pass
     disallowed = _bits(bitmask, logits.shape[1])[:, : logits.shape[1]] == 0
     if rows is None or rows == list(range(logits.shape[0])):
         logits.masked_fill_(disallowed, float("-inf"))
     else:
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        index = upload(rows, torch.int64, logits.device)
         logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
     return logits

@@ -18,4 +18,4 @@ def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tens
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)

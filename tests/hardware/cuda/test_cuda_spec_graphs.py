@@ -2,14 +2,16 @@
 
 Each architecture in float32, with host drafts (ngram) and worker drafts (a draft model of
 the target's own weights, so every draft is accepted), in the parity settings that exercise
-prefix caching, chunked prefill and preemption. The CPU twin of these checks, under the
-Triton interpreter with pretend graphs, is test_decode_graphs_cpu.py.
+prefix caching, chunked prefill and preemption; and random EAGLE-1, EAGLE-3 and Medusa heads
+(EAGLE-3 reads the target's layers through hooks, so its steps run eagerly). The CPU twin of
+these checks, under the Triton interpreter with pretend graphs, is test_decode_graphs_cpu.py.
 """
 
 from __future__ import annotations
 
 import pytest
 from spec_decode.engine_runs import repetitive_prompts, spec_counts
+from spec_decode.heads import build_eagle1_head, build_eagle3_head, build_medusa_head
 
 from runtime import SamplingParams
 from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE, build_untokenized_model
@@ -48,3 +50,27 @@ def test_verification_graphs_match_transformers(reference, proposer, setting):
         assert accepted == drafted
     if setting == "preemption":
         assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_head_proposers_match_transformers(reference, method, tmp_path):
+    arch, path, prompts, expected = reference
+    if method == "eagle":
+        head = build_eagle1_head(tmp_path / "eagle1", UNTOKENIZED_VOCAB_SIZE)
+    elif method == "eagle3":
+        num_target_layers = 4 if arch == "gemma3" else 2
+        layers = [0, num_target_layers // 2, num_target_layers - 1]
+        head = build_eagle3_head(tmp_path / "eagle3", UNTOKENIZED_VOCAB_SIZE, layers, UNTOKENIZED_VOCAB_SIZE // 2)
+    else:
+        head = build_medusa_head(tmp_path / "medusa", UNTOKENIZED_VOCAB_SIZE)
+    spec = {"method": method, "model": head, "num_speculative_tokens": K}
+    llm = cuda_llm(path, "triton", True, speculative_config=spec, **SETTINGS["preemption"])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], f"{arch}/{method}")
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    assert spec_counts(llm)[0] > 0, "nothing was drafted"
+    if method == "eagle3":
+        assert graphs is None  # its hooks would not run inside a replayed graph
+    else:
+        assert sum(graphs.verify_replay_counts.values()) > 0
