@@ -18,6 +18,7 @@ class ConformanceTarget:
 
     platform: str | None = None
     attention_backend: str | None = None
+    kv_cache_memory_bytes: int | None = None  # None: the platform sizes the KV cache (a GPU: 90 % of its memory)
 
     def engine_args(self) -> dict:
         args = {}
@@ -25,6 +26,8 @@ class ConformanceTarget:
             args["platform"] = self.platform
         if self.attention_backend:
             args["attention_backend"] = self.attention_backend
+        if self.kv_cache_memory_bytes:
+            args["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         return args
 
     def __str__(self) -> str:
@@ -35,8 +38,11 @@ def pytest_addoption(parser):
     group = parser.getgroup("runtime conformance")
     group.addoption("--platform", default=None, help="platform to run the conformance suite on (default: auto)")
     group.addoption("--attention-backend", default=None, help="attention backend to check (default: the platform's)")
+    group.addoption("--kv-cache-memory-bytes", type=int, default=None,
+                    help="KV cache size of each engine (default: the platform's sizing); lets several runs share a GPU")
 
 
 @pytest.fixture(scope="session")
 def conformance_target(request) -> ConformanceTarget:
-    return ConformanceTarget(request.config.getoption("--platform"), request.config.getoption("--attention-backend"))
+    option = request.config.getoption
+    return ConformanceTarget(option("--platform"), option("--attention-backend"), option("--kv-cache-memory-bytes"))
