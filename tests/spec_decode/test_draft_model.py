@@ -58,6 +58,27 @@ def test_self_draft_greedy_identical_and_all_accepted(llama, setting):
     gc.collect()
 
 
+@pytest.mark.parametrize("arch,setting", [("qwen2", "preemption"), ("qwen3", "async_chunked_prefix"),
+                                          ("gemma3", "prefix_caching")])
+def test_other_draft_on_every_architecture(arch, setting, tmp_path):
+    """A draft of the same shape with other weights (drafts often rejected): the target's greedy tokens."""
+    target = build_untokenized_model(arch, tmp_path / "target")
+    other = build_untokenized_model(arch, tmp_path / "other", seed=1)
+    prompts = repetitive_prompts(UNTOKENIZED_VOCAB_SIZE)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    plain = LLM(target, dtype="float32", skip_tokenizer_init=True)
+    expected = [o.outputs[0].token_ids for o in generate(plain, prompts, params)]
+    del plain
+    llm = LLM(target, dtype="float32", skip_tokenizer_init=True, speculative_config=draft_config(other), **SETTINGS[setting])
+    for _ in range(2 if "prefix" in setting else 1):
+        check_outputs_equal(expected, [o.outputs[0].token_ids for o in generate(llm, prompts, params)], f"{arch}/{setting}")
+    assert spec_counts(llm)[0] > 0
+    scheduler = llm.llm_engine.engine_core.scheduler
+    assert scheduler.kv_cache_manager.stats.hits > 0 if "prefix" in setting else scheduler.num_preemptions > 0
+    del llm
+    gc.collect()
+
+
 def test_other_draft_greedy_identical_n2_and_random_uses_q(llama):
     target, other, prompts, expected = llama
     llm = LLM(target, dtype="float32", skip_tokenizer_init=True, speculative_config=draft_config(other, k=2),

@@ -50,13 +50,19 @@ def build_head(method, arch, root):
     return build_medusa_head(root / f"medusa_{arch}", UNTOKENIZED_VOCAB_SIZE)
 
 
-@pytest.mark.parametrize("method,arch,setting", [
+@pytest.mark.parametrize("method,arch,setting", [  # every head on every architecture, the settings rotating
     ("eagle", "llama", "async_chunked_prefix"),
+    ("eagle", "qwen2", "prefix_caching"),
     ("eagle", "qwen3", "preemption"),
-    ("eagle3", "gemma3", "preemption"),
+    ("eagle", "gemma3", "async_chunked_prefix"),
     ("eagle3", "llama", "preemption"),
-    ("medusa", "qwen2", "preemption"),
+    ("eagle3", "qwen2", "async_chunked_prefix"),
+    ("eagle3", "qwen3", "prefix_caching"),
+    ("eagle3", "gemma3", "preemption"),
     ("medusa", "llama", "prefix_caching"),
+    ("medusa", "qwen2", "preemption"),
+    ("medusa", "qwen3", "async_chunked_prefix"),
+    ("medusa", "gemma3", "preemption"),
 ])
 def test_greedy_identical_with_heads(method, arch, setting, root):
     target, prompts, expected = baseline(arch, root)
