@@ -7,6 +7,7 @@ abort of 10000 child requests run for real (off the event loop, O(n)).
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -32,7 +33,10 @@ def sigterm_and_time(server: RemoteServer) -> float:
     engine_pid = server.engine_pid
     start = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    server.proc.wait(60)
+    try:
+        server.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not stop within 60 s of SIGTERM; its log ends:\n{server.log()[-4000:]}")
     seconds = time.monotonic() - start
     assert server.proc.returncode == 0, server.log()[-3000:]
     assert wait_for(lambda: not is_alive(engine_pid), 5.0), "the engine process outlived the server"
