@@ -135,3 +135,45 @@ def test_an_interrupted_startup_leaves_no_engine_behind(tiny_llama):
     assert wait_for(lambda: not is_alive(abandoned), 5.0), "the abandoned engine outlived its interpreter"
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     print(f"both engines stopped; the script took {time.monotonic() - start:.1f}s")
+
+
+_SIGTERM_AS_THE_ENGINE_STARTS = """
+import os, signal, sys
+import runtime.engine.core_client as core_client
+from runtime.entrypoints.openai.shutdown import stop_on_sigterm
+from runtime.engine_args import EngineArgs
+
+stop_on_sigterm()  # as runtime serve: SIGTERM raises KeyboardInterrupt
+spawn = core_client.spawn_engine_core
+
+def spawn_then_sigterm(*args, **kwargs):
+    process = spawn(*args, **kwargs)
+    print("engine", process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # lands before the client has recorded its engine
+    return process
+
+core_client.spawn_engine_core = spawn_then_sigterm
+args = EngineArgs(model=sys.argv[1], dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+try:
+    core_client.EngineCoreClient(args)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_sigterm_right_after_the_engine_starts(tiny_llama):
+    """The test above's SIGTERM once took over 60 s: sent when the server logged that its engine process
+    had started, it could land before the client recorded that process for shutdown, and the exiting
+    interpreter then waited for the orphaned engine. SIGTERM now waits those few lines out."""
+    import re
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", _SIGTERM_AS_THE_ENGINE_STARTS, tiny_llama], capture_output=True,
+                            text=True, timeout=60)
+    seconds = time.monotonic() - start
+    assert result.returncode == 0 and "interrupted" in result.stdout, (result.stdout, result.stderr[-3000:])
+    engine = int(re.search(r"engine (\d+)", result.stdout).group(1))
+    assert wait_for(lambda: not is_alive(engine), 5.0), "the engine outlived its interpreter"
+    assert seconds <= STOP_BOUND_S + 10, seconds  # interpreter start and imports, then the engine's shutdown

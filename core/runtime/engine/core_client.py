@@ -19,7 +19,10 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -56,6 +59,33 @@ class RequestFailure:
 
     request_id: str
     message: str
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def holding_stop_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM received inside the block take effect when it ends.
+
+    Around starting an engine process and recording it where shutdown finds it: a signal in
+    between would unwind past the record, and the engine would outlive this process (whose
+    multiprocessing exit hook then waits for it). Python runs signal handlers in the main thread
+    only, so the handlers are swapped for a recorder (blocking the signals would not do: zmq's
+    threads would take them).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: received.append(signum)) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])  # the handler it would have met
 
 
 def spawn_engine_core(engine_args: EngineArgs, addresses: core_proc.EngineCoreAddresses, placement=None):
@@ -130,10 +160,11 @@ class EngineCoreClient(DeathState):
         self._closed = False
         self.ready_info: dict = {}
         if self._owns_engine:
-            self.process = spawn_engine_core(engine_args, addresses, placement)
-            # A safety net, run before multiprocessing's own exit hook (which would wait for the engine
-            # forever): an interpreter that exits without shutdown() still stops its engine.
-            atexit.register(self.shutdown)
+            with holding_stop_signals():
+                self.process = spawn_engine_core(engine_args, addresses, placement)
+                # A safety net, run before multiprocessing's own exit hook (which would wait for the engine
+                # forever): an interpreter that exits without shutdown() still stops its engine.
+                atexit.register(self.shutdown)
         else:
             self.process = SiblingProcess(engine_pid)
 

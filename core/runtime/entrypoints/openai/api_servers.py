@@ -30,7 +30,7 @@ import tempfile
 import time
 
 from runtime.config import EngineConfig
-from runtime.engine.core_client import EngineCoreClient, spawn_engine_core, stop_process
+from runtime.engine.core_client import EngineCoreClient, holding_stop_signals, spawn_engine_core, stop_process
 from runtime.engine.core_proc import EngineCoreAddresses
 from runtime.engine.dp_client import DPEngineCoreClient
 from runtime.engine.dp_placement import replica_placements
@@ -74,7 +74,8 @@ def run_api_servers(args, engine_args: EngineArgs, config: EngineConfig | None =
         placements = replica_placements(engine_args, config or engine_args.create_engine_config())
         addresses = [_engine_addresses(folder, rank, len(placements), count) for rank in range(len(placements))]
         for (replica_args, placement), replica_addresses in zip(placements, addresses):
-            engines.append(spawn_engine_core(replica_args, replica_addresses, placement if len(placements) > 1 else None))
+            with holding_stop_signals():  # started and recorded for _stop_all, or not started
+                engines.append(spawn_engine_core(replica_args, replica_addresses, placement if len(placements) > 1 else None))
         os.environ[METRICS_DIR_ENV] = metrics_dir  # before the API processes import prometheus_client
         mp = multiprocessing.get_context("spawn")
         pids = [engine.pid for engine in engines]
