@@ -157,8 +157,49 @@ def test_the_runner_masks_each_row_by_its_requests_bitmask_row():
     states = [SimpleNamespace(req_id=r) for r in ("c", "free", "a", "b")]
     logits = torch.randn(4, vocab)
     original = logits.clone()
-    ModelRunner._apply_grammar_bitmask(output, states, logits)
+    from runtime.sample.bitmask import apply_token_bitmask
+
+    runner = SimpleNamespace(apply_token_bitmask=apply_token_bitmask)  # the op a runner without a fused one keeps
+    ModelRunner._apply_grammar_bitmask(runner, output, states, logits)
     for i, state in enumerate(states):
         finite = set(torch.nonzero(torch.isfinite(logits[i])).flatten().tolist())
         assert finite == allowed.get(state.req_id, set(range(vocab)))
     assert torch.equal(logits[1], original[1])
+
+
+def test_a_platform_fused_bitmask_op_masks_the_logits(recording, model_path):
+    """A platform offering ``apply_token_bitmask`` (the CUDA plugin's Triton kernel, here in Triton's
+    interpreter) masks the constrained rows with it, beside a free row, in mixed steps and decodes."""
+    pytest.importorskip("triton")
+    from runtime_cpu.platform import CpuPlatform
+    from runtime_kernels.bitmask import apply_token_bitmask
+
+    calls = []
+
+    def fused(logits, bitmask, rows=None):
+        calls.append(rows)
+        return apply_token_bitmask(logits, bitmask, rows)
+
+    class FusedBitmaskPlatform(CpuPlatform):
+        name = "cpu-fused-bitmask"
+        priority = -1
+
+        def custom_ops(self):
+            return {**super().custom_ops(), "apply_token_bitmask": fused}
+
+    class PlatformPlugin:
+        @staticmethod
+        @runtime.hookimpl
+        def register_platforms(register):
+            register(FusedBitmaskPlatform())
+
+    recording.register(PlatformPlugin, "fused_bitmask_platform")
+    llm = LLM(model_path, dtype="float32", max_model_len=128, guided_decoding_backend="recording",
+              platform="cpu-fused-bitmask", attention_backend="sdpa", enforce_eager=True)
+    constraint = StructuredOutputsParams(choice=choice_spec(SEQUENCES))
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),  # the free row first: rows differ
+              SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=constraint)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    tokens = outputs[1].outputs[0].token_ids
+    assert (tokens[:-1] if tokens[-1] == 2 else tokens) in SEQUENCES
+    assert calls and calls[0] == [1], calls  # the first step masks the constrained request's logits row only

@@ -13,7 +13,8 @@ from runtime.distributed import broadcast_from_last_stage, get_parallel_state
 from runtime.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from runtime.forward_context import set_forward_context
 from runtime.kv_transfer import KVConnectorRole, make_kv_connector
-from runtime.models.ops import custom_ops_scope
+from runtime.models.ops import custom_ops_scope, lookup
+from runtime.sample.bitmask import apply_token_bitmask
 from runtime.sample.metadata import greedy_metadata
 from runtime.sample.upload import upload
 from runtime.structured_output import resolve_bitmask
@@ -71,6 +72,7 @@ class ModelRunner:
             )
             self.sampler = Sampler()
             self.rejection_sampler = RejectionSampler()
+            self.apply_token_bitmask = lookup("apply_token_bitmask") or apply_token_bitmask  # a fused kernel if offered
             from runtime.worker.spec_decode_runner import SpecDecodeRunner
 
             self.spec_runner = SpecDecodeRunner.maybe_create(
@@ -281,14 +283,11 @@ class ModelRunner:
             logprobs = to_lists(output.logprobs, per_row)
         return PendingOutput.done(ModelRunnerOutput([s.req_id for s in states], token_lists, logprobs, prompt_logprobs))
 
-    @staticmethod
     def _apply_grammar_bitmask(
-        so: SchedulerOutput, states: list[CachedRequestState], logits: torch.Tensor, logits_row: list[int] | None = None
+        self, so: SchedulerOutput, states: list[CachedRequestState], logits: torch.Tensor, logits_row: list[int] | None = None
     ) -> None:
         """Mask the logits rows of the constrained requests to the tokens their grammars allow
         (state ``i``'s row is ``logits_row[i]``, default ``i``)."""
-        from runtime.sample.bitmask import apply_token_bitmask
-
         row_of = so.structured_output_request_ids
         logits_rows, mask_rows = [], []
         for i, state in enumerate(states):
@@ -301,7 +300,7 @@ class ModelRunner:
             if mask_rows != list(range(bitmask.shape[0])):
                 # numpy on this thread: torch's indexing splits the copy over its intra-op threads
                 bitmask = torch.from_numpy(bitmask.numpy()[mask_rows])
-            apply_token_bitmask(logits, bitmask, logits_rows)
+            self.apply_token_bitmask(logits, bitmask, logits_rows)
 
     def _sampling_metadata(self, states: list[CachedRequestState]):
         from runtime.sample.metadata import build_sampling_metadata

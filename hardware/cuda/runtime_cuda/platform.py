@@ -36,12 +36,14 @@ class CudaPlatform(GpuPlatform):
         (see ``Platform.custom_ops`` for the names and signatures): ``rms_norm``,
         ``fused_add_rms_norm``, ``rotary_embedding`` (in place, from a cos/sin cache),
         ``silu_and_mul``, ``gemv`` (one-row linear layers of batch-1 decode steps), and
-        ``top_k_top_p`` for the sampler (top-p within top-k from one ``topk``, no sort).
+        ``top_k_top_p`` for the sampler (top-p within top-k from one ``topk``, no sort) and
+        ``apply_token_bitmask`` for structured output (one launch, no temporaries).
         """
         from runtime_kernels.activation import silu_and_mul
         from runtime_kernels.gemv import gemv
         from runtime_kernels.norm import fused_add_rms_norm, rms_norm
         from runtime_kernels.rotary import rotary_embedding
+        from runtime_kernels.bitmask import apply_token_bitmask
         from runtime_kernels.sampling import top_k_top_p_bounded
 
         return {
@@ -51,6 +53,7 @@ class CudaPlatform(GpuPlatform):
             "silu_and_mul": silu_and_mul,
             "gemv": gemv,
             "top_k_top_p": top_k_top_p_bounded,
+            "apply_token_bitmask": apply_token_bitmask,
         }
 
     supports_graphs = True
