@@ -23,10 +23,11 @@ PROMPT_LENS = (3, 10)  # gemma3's window is 8: the longer prompt crosses it
 SCHEDULE = ([1, 2], [1, 1])  # a decode with a prefill chunk, then two decodes
 # Ops each architecture calls (Gemma 3's MLP is gelu-tanh, which has no fused op).
 # gemv serves one-row steps in 16-bit dtypes only (tested on its own below); top_k_top_p
-# is the sampler's (tests/kernels/test_kernel_sampling.py).
+# is the sampler's (tests/kernels/test_kernel_sampling.py) and apply_token_bitmask structured
+# output's (tests/kernels/test_kernel_bitmask.py).
 USED_OPS = {
-    "llama": set(CUSTOM_OPS) - {"gemv", "top_k_top_p"},
-    "qwen3": set(CUSTOM_OPS) - {"gemv", "top_k_top_p"},
+    "llama": set(CUSTOM_OPS) - {"gemv", "top_k_top_p", "apply_token_bitmask"},
+    "qwen3": set(CUSTOM_OPS) - {"gemv", "top_k_top_p", "apply_token_bitmask"},
     "gemma3": {"rms_norm", "fused_add_rms_norm", "rotary_embedding"},
 }
 
