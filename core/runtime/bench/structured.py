@@ -85,21 +85,34 @@ def run_runtime_structured(args, workload, llm_kwargs: dict, rounds: int = 2) ->
                        structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]))
         for i in range(len(prompts))
     ]
-    outputs = llm.generate(prompts, constrained, use_tqdm=not args.quiet)  # warm-up; greedy: every run the same
+    outputs = llm.generate(prompts, constrained, use_tqdm=not args.quiet)  # warm-up
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     tokenizer = llm.get_tokenizer()
     valid = sum(_is_json_object(tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True)) for o in outputs)
-    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in lengths]
+    # Each free run generates exactly as many tokens per request as the constrained run before it.
+    # (Greedy constrained outputs may differ between runs where batch composition changes the
+    # low bits of the logits, as bfloat16 on a GPU does: the lengths are taken per round.)
     timings: dict[str, list[float]] = {"constrained": [], "free": []}
+    tokens: dict[str, list[int]] = {"constrained": [], "free": []}
     for _ in range(rounds):
-        for name, params in (("constrained", constrained), ("free", free)):
-            start = time.perf_counter()
-            run = llm.generate(prompts, params, use_tqdm=not args.quiet)
-            timings[name].append(time.perf_counter() - start)
-            assert [len(o.outputs[0].token_ids) for o in run] == lengths
+        start = time.perf_counter()
+        run = llm.generate(prompts, constrained, use_tqdm=not args.quiet)
+        timings["constrained"].append(time.perf_counter() - start)
+        round_lengths = [len(o.outputs[0].token_ids) for o in run]
+        free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in round_lengths]
+        start = time.perf_counter()
+        run = llm.generate(prompts, free, use_tqdm=not args.quiet)
+        timings["free"].append(time.perf_counter() - start)
+        if [len(o.outputs[0].token_ids) for o in run] != round_lengths:
+            raise RuntimeError("the unconstrained run did not generate the constrained run's lengths")
+        tokens["constrained"].append(sum(round_lengths))
+        tokens["free"].append(sum(round_lengths))
     steps_ahead = llm.llm_engine.engine_core.num_steps_ahead  # > 0: --async-scheduling reached the engine
     return {"constrained_s": statistics.fmean(timings["constrained"]), "free_s": statistics.fmean(timings["free"]),
-            "rounds": timings, "lengths": lengths, "valid": valid, "compile_s": times, "num_steps_ahead": steps_ahead}
+            "constrained_tps": sum(tokens["constrained"]) / sum(timings["constrained"]),
+            "free_tps": sum(tokens["free"]) / sum(timings["free"]),
+            "rounds": timings, "round_tokens": tokens["free"], "lengths": lengths, "valid": valid,
+            "compile_s": times, "num_steps_ahead": steps_ahead}
 
 
 def _is_json_object(text: str) -> bool:
@@ -164,7 +177,7 @@ def run_hf_structured(args, workload, hf_model, tokenizer, lengths: list[int]) -
 
 def print_report(result: dict, hf_s: float | None, num_requests: int) -> None:
     tokens = sum(result["lengths"])
-    constrained_tps, free_tps = tokens / result["constrained_s"], tokens / result["free_s"]
+    constrained_tps, free_tps = result["constrained_tps"], result["free_tps"]
     times = result["compile_s"]
     print(f"\nstructured output (json, {len(SCHEMAS)} schemas): {num_requests} requests, {tokens} output tokens, "
           f"{result['valid']}/{num_requests} outputs parse as JSON objects")
