@@ -14,6 +14,11 @@ A backend may fill the rows of a whole step at once (``fill_bitmask_batch``, opt
 :class:`DeferredBitmask`, which the model runner fills after it has queued the forward pass,
 so that the host fills rows while the device computes (with async scheduling, the engine
 first collects the previous step there, so that the grammars have seen its tokens).
+
+A backend that keeps one row per grammar state in a table may instead name each row's table
+row (``bitmask_slots``, optional: see :class:`SlotBitmask`): the worker keeps a copy of the
+table on the device, uploads only the rows it has not seen, and the mask is applied through
+the slots, so a step moves a few bytes per row instead of ``ceil(V / 32)`` words.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 
@@ -93,6 +99,46 @@ def fill_bitmask_batch(backend: object, grammars: Sequence[Grammar], bitmask: to
         grammar.fill_bitmask(bitmask, row)
 
 
+class SlotBitmask:
+    """A step's bitmask as rows of a backend's mask table: row ``i`` allows what table row
+    ``slots[i]`` allows (every token where ``slots[i] < 0``).
+
+    ``rows`` is the table as it was when the slots were taken (``[capacity, words]`` CPU int32;
+    rows ``[0, count)`` written). A backend never rewrites a written row of a table while its
+    ``generation`` stays the same (rows are appended; a table that starts over gets a new
+    generation), so a copy of rows ``[0, n)`` made earlier under the same ``(table_id,
+    generation)`` is still valid and only rows ``[n, count)`` need copying.
+    """
+
+    __slots__ = ("rows", "count", "table_id", "generation", "slots")
+
+    def __init__(self, rows: torch.Tensor, count: int, table_id: int, generation: int, slots: np.ndarray):
+        self.rows = rows
+        self.count = count
+        self.table_id = table_id
+        self.generation = generation
+        self.slots = slots  # int32, one per bitmask row
+
+    def with_slots(self, slots: np.ndarray) -> "SlotBitmask":
+        return SlotBitmask(self.rows, self.count, self.table_id, self.generation, slots)
+
+    def dense(self) -> torch.Tensor:
+        """The same bitmask as a new ``[len(slots), words]`` tensor (see :func:`allocate_token_bitmask`)."""
+        slots = np.asarray(self.slots, dtype=np.intp)
+        out = np.full((len(slots), self.rows.shape[1]), -1, dtype=np.int32)
+        live = slots >= 0
+        out[live] = self.rows.numpy()[slots[live]]
+        return torch.from_numpy(out)
+
+
+def bitmask_slots(backend: object, grammars: Sequence[Grammar]) -> SlotBitmask | None:
+    """The step's bitmask for ``grammars`` as table slots, where ``backend`` implements
+    ``bitmask_slots(grammars) -> SlotBitmask`` (optional, with that meaning; row ``i`` allows
+    exactly what ``grammars[i].fill_bitmask`` would); None where it does not."""
+    method = getattr(backend, "bitmask_slots", None)
+    return None if method is None else method(grammars)
+
+
 class DeferredBitmask:
     """A step's token bitmask, filled on first use: ``fill()`` (called once) returns the filled
     tensor; :meth:`tensor` calls it the first time and returns the same tensor afterwards.
@@ -101,29 +147,45 @@ class DeferredBitmask:
     while the device computes. Pickled (a worker in another process), it is filled first and
     arrives as the plain tensor.
 
-    ``before_fill``, when set, is called once just before ``fill()``: with async scheduling the
+    ``fill_slots``, when given, returns the same bitmask as a :class:`SlotBitmask` (or None);
+    :meth:`value` prefers it for a caller that can apply slots.
+
+    ``before_fill``, when set, is called once just before the fill: with async scheduling the
     engine sets it to collect the step still in flight, whose tokens the grammars must see
     before they can say which tokens may follow.
     """
 
-    __slots__ = ("_fill", "_tensor", "before_fill")
+    __slots__ = ("_fill", "_fill_slots", "_value", "before_fill")
 
-    def __init__(self, fill: Callable[[], torch.Tensor]):
+    def __init__(self, fill: Callable[[], torch.Tensor], fill_slots: Callable[[], SlotBitmask | None] | None = None):
         self._fill = fill
-        self._tensor: torch.Tensor | None = None
+        self._fill_slots = fill_slots
+        self._value: torch.Tensor | SlotBitmask | None = None
         self.before_fill: Callable[[], object] | None = None
 
-    def tensor(self) -> torch.Tensor:
-        if self._tensor is None:
+    def value(self, slots_ok: bool = False) -> torch.Tensor | SlotBitmask:
+        """The filled bitmask: a :class:`SlotBitmask` where ``slots_ok`` and the backend gives
+        slots (decided by the first call), else the tensor."""
+        if self._value is None:
             before, self.before_fill = self.before_fill, None
             if before is not None:
                 before()
-            self._tensor, self._fill = self._fill(), None
-        return self._tensor
+            if slots_ok and self._fill_slots is not None:
+                self._value = self._fill_slots()
+            if self._value is None:
+                self._value = self._fill()
+            self._fill = self._fill_slots = None
+        return self._value
+
+    def tensor(self) -> torch.Tensor:
+        value = self.value()
+        if isinstance(value, SlotBitmask):
+            value = self._value = value.dense()
+        return value
 
     @property
     def is_filled(self) -> bool:
-        return self._tensor is not None
+        return self._value is not None
 
     def __reduce__(self):
         return (_same, (self.tensor(),))
@@ -133,6 +195,9 @@ def _same(value):
     return value
 
 
-def resolve_bitmask(bitmask: torch.Tensor | DeferredBitmask) -> torch.Tensor:
-    """The filled tensor of a step's ``grammar_bitmask`` (a tensor, or a :class:`DeferredBitmask`)."""
-    return bitmask if isinstance(bitmask, torch.Tensor) else bitmask.tensor()
+def resolve_bitmask(bitmask: torch.Tensor | DeferredBitmask, slots_ok: bool = False) -> torch.Tensor | SlotBitmask:
+    """The filled value of a step's ``grammar_bitmask`` (a tensor, or a :class:`DeferredBitmask`):
+    a tensor, or a :class:`SlotBitmask` where ``slots_ok`` and the backend gives slots."""
+    if isinstance(bitmask, torch.Tensor):
+        return bitmask
+    return bitmask.value(slots_ok) if slots_ok else bitmask.tensor()

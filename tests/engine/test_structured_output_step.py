@@ -139,11 +139,17 @@ def test_a_deferred_bitmask_fills_once_and_pickles_filled():
     assert allowed == [{5}, {2}]
 
 
-def test_the_runner_masks_each_row_by_its_requests_bitmask_row():
+@pytest.mark.parametrize("as_slots", [False, True])
+def test_the_runner_masks_each_row_by_its_requests_bitmask_row(as_slots):
     """The scheduler numbers bitmask rows in its own order, the model runner's batch has another
-    (and free rows between): each logits row gets its request's bitmask row, free rows none."""
+    (and free rows between): each logits row gets its request's bitmask row, free rows none;
+    also where the backend gives the rows as slots of its table (copied as a device table would be)."""
     from types import SimpleNamespace
 
+    import numpy as np
+
+    from runtime.sample.bitmask import DeviceMaskTable, apply_token_bitmask
+    from runtime.structured_output import SlotBitmask
     from runtime.worker.model_runner import ModelRunner
 
     vocab = 96
@@ -152,15 +158,18 @@ def test_the_runner_masks_each_row_by_its_requests_bitmask_row():
     for row, req_id in enumerate("abc"):
         for token in allowed[req_id]:
             bitmask[row, token // 32] |= 1 << (token % 32)
+    table = torch.cat([torch.full((1, 3), 7, dtype=torch.int32), bitmask.flip(0), torch.zeros((4, 3), dtype=torch.int32)])
+    slots = lambda: SlotBitmask(table, 4, 1, 0, np.array([3, 2, 1], dtype=np.int32))  # noqa: E731 (rows a, b, c)
     output = SchedulerOutput([], [], {}, 0, structured_output_request_ids={"a": 0, "b": 1, "c": 2},
-                             grammar_bitmask=DeferredBitmask(lambda: bitmask))
+                             grammar_bitmask=DeferredBitmask(lambda: bitmask, slots))
     states = [SimpleNamespace(req_id=r) for r in ("c", "free", "a", "b")]
     logits = torch.randn(4, vocab)
     original = logits.clone()
-    from runtime.sample.bitmask import apply_token_bitmask
-
-    runner = SimpleNamespace(apply_token_bitmask=apply_token_bitmask)  # the op a runner without a fused one keeps
+    # the op a runner without a fused one keeps
+    runner = SimpleNamespace(apply_token_bitmask=apply_token_bitmask,
+                             mask_table=DeviceMaskTable("cpu", copy=True) if as_slots else None)
     ModelRunner._apply_grammar_bitmask(runner, output, states, logits)
+    assert isinstance(output.grammar_bitmask.value(), SlotBitmask) == as_slots
     for i, state in enumerate(states):
         finite = set(torch.nonzero(torch.isfinite(logits[i])).flatten().tolist())
         assert finite == allowed.get(state.req_id, set(range(vocab)))

@@ -61,9 +61,10 @@ def compile_elementwise():
                      dict(HALF=64, HALF_PAD=64, Q_HEADS_PAD=16, K_HEADS_PAD=8))
     sig = {"x_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32", "d": "i32"}
     compile_for_sm90(load("runtime_kernels.jit.activation").silu_and_mul_kernel, sig, dict(BLOCK=1024))
-    sig = {"logits_ptr": "*bf16", "bitmask_ptr": "*i32", "rows_ptr": "*i64", "vocab_size": "i32", "num_words": "i32",
-           "stride_logits": "i32", "stride_bitmask": "i32"}
-    compile_for_sm90(load("runtime_kernels.jit.bitmask").apply_token_bitmask_kernel, sig, dict(HAS_ROWS=True, BLOCK=2048))
+    sig = {"logits_ptr": "*bf16", "bitmask_ptr": "*i32", "rows_ptr": "*i64", "slots_ptr": "*i32", "vocab_size": "i32",
+           "num_words": "i32", "stride_logits": "i32", "stride_bitmask": "i32"}
+    compile_for_sm90(load("runtime_kernels.jit.bitmask").apply_token_bitmask_kernel, sig,
+                     dict(HAS_ROWS=True, HAS_SLOTS=True, BLOCK=2048))
 
 
 if __name__ == "__main__":

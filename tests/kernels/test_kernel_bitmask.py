@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,3 +44,21 @@ def test_matches_reference(device, dtype, vocab, words, rows):
 def test_rows_are_needed_for_fewer_bitmask_rows(device):
     with pytest.raises(ValueError, match="needs `rows`"):
         apply_token_bitmask(torch.zeros(3, 64, device=device), torch.zeros(2, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("rows", [None, [3, 1, 0, 2]])
+def test_slots_match_the_gathered_bitmask(device, rows):
+    """With slots, row i is masked by table row slots[i] (a slot < 0 masks nothing): as the
+    reference does with the rows gathered first."""
+    vocab, words = 3000, 94
+    table = random_bitmask(6, words, seed=3)
+    slots = np.array([5, 0, -1, 2], dtype=np.int32)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(4))
+    gathered = torch.stack([table[s] if s >= 0 else torch.full((words,), -1, dtype=torch.int32) for s in slots])
+    expected = reference(logits.clone(), gathered, rows)
+    torch.testing.assert_close(reference(logits.clone(), table, rows, slots=slots), expected, rtol=0, atol=0)
+    out = logits.to(device)
+    apply_token_bitmask(out, table.to(device), rows, slots=slots)
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+    row_of = list(range(4)) if rows is None else rows
+    assert torch.isfinite(expected[row_of[2]]).all()  # slot -1: untouched

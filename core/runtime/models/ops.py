@@ -26,9 +26,10 @@ The names and signatures a platform may provide (:data:`CUSTOM_OPS`):
   top-p filters (filtered logits at -inf, a new tensor) for batches where every row that
   top-p filters also has a top-k (``top_p`` may be ``None``); no host sync. The sampler
   picks it up when it is built inside the scope and keeps its sort otherwise.
-* ``apply_token_bitmask(logits, bitmask, rows=None) -> logits``: structured output's mask, in
-  place, with :func:`runtime.sample.bitmask.apply_token_bitmask`'s contract (a packed int32
-  bitmask on any device; logits row ``rows[i]`` takes bitmask row ``i``).
+* ``apply_token_bitmask(logits, bitmask, rows=None, slots=None) -> logits``: structured output's
+  mask, in place, with :func:`runtime.sample.bitmask.apply_token_bitmask`'s contract (a packed
+  int32 bitmask on any device; logits row ``rows[i]`` takes bitmask row ``i``, or with ``slots``
+  table row ``slots[i]``). An op without the ``slots`` parameter is given dense bitmasks.
 
 Names outside :data:`CUSTOM_OPS` are ignored, so a platform may offer ops that only
 newer models use.

@@ -175,7 +175,23 @@ class StructuredOutputManager:
         from runtime.structured_output import DeferredBitmask
 
         rows = {request.request_id: row for row, request in enumerate(requests)}
-        return rows, DeferredBitmask(lambda: self.fill_rows(requests))
+        slots = (lambda: self.slot_rows(requests)) if hasattr(self._backend, "bitmask_slots") else None
+        return rows, DeferredBitmask(lambda: self.fill_rows(requests), slots)
+
+    def slot_rows(self, requests: list[Request]):
+        """:meth:`fill_rows`'s bitmask as a :class:`runtime.structured_output.SlotBitmask` (the
+        backend has ``bitmask_slots``); a request finished meanwhile gets slot -1 (every token)."""
+        import numpy as np
+
+        from runtime.structured_output import bitmask_slots
+
+        live = [row for row, request in enumerate(requests) if not request.is_finished()]
+        result = bitmask_slots(self._backend, [requests[row].grammar.grammar for row in live])
+        if len(live) == len(requests):
+            return result
+        slots = np.full(len(requests), -1, dtype=np.int32)
+        slots[live] = result.slots
+        return result.with_slots(slots)
 
     def fill_rows(self, requests: list[Request]) -> torch.Tensor:
         """A new bitmask, row ``i`` for ``requests[i]``'s grammar as it is now.

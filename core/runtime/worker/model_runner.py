@@ -14,10 +14,10 @@ from runtime.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from runtime.forward_context import set_forward_context
 from runtime.kv_transfer import KVConnectorRole, make_kv_connector
 from runtime.models.ops import custom_ops_scope, lookup
-from runtime.sample.bitmask import apply_token_bitmask
+from runtime.sample.bitmask import DeviceMaskTable, apply_token_bitmask, takes_slots
 from runtime.sample.metadata import greedy_metadata
 from runtime.sample.upload import upload
-from runtime.structured_output import resolve_bitmask
+from runtime.structured_output import SlotBitmask, resolve_bitmask
 from runtime.worker.graphs import DecodeGraphs, can_capture
 from runtime.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from runtime.worker.pending import PendingOutput
@@ -73,6 +73,8 @@ class ModelRunner:
             self.sampler = Sampler()
             self.rejection_sampler = RejectionSampler()
             self.apply_token_bitmask = lookup("apply_token_bitmask") or apply_token_bitmask  # a fused kernel if offered
+            # Bitmasks as slots of a device copy of the backend's table, where the op takes slots.
+            self.mask_table = DeviceMaskTable(self.device) if takes_slots(self.apply_token_bitmask) else None
             from runtime.worker.spec_decode_runner import SpecDecodeRunner
 
             self.spec_runner = SpecDecodeRunner.maybe_create(
@@ -205,7 +207,8 @@ class ModelRunner:
             with set_forward_context(self.attn_backend, self._metadata(inputs), self.kv_caches):
                 hidden = self.model(inputs.input_ids, inputs.positions_t)  # [num_tokens, hidden]
         if so.grammar_bitmask is not None and self.is_last_stage:
-            resolve_bitmask(so.grammar_bitmask)  # the host fills the grammars' rows while the device runs the forward pass
+            # the host fills the grammars' rows while the device runs the forward pass
+            resolve_bitmask(so.grammar_bitmask, slots_ok=self.mask_table is not None)
         if connector is not None:
             connector.wait_for_save()  # saves that overlapped the forward pass have read their blocks
         if not self.is_last_stage:
@@ -295,12 +298,17 @@ class ModelRunner:
             if row is not None:
                 logits_rows.append(i if logits_row is None else logits_row[i])
                 mask_rows.append(row)
-        if logits_rows:
-            bitmask = resolve_bitmask(so.grammar_bitmask)
-            if mask_rows != list(range(bitmask.shape[0])):
-                # numpy on this thread: torch's indexing splits the copy over its intra-op threads
-                bitmask = torch.from_numpy(bitmask.numpy()[mask_rows])
-            self.apply_token_bitmask(logits, bitmask, logits_rows)
+        if not logits_rows:
+            return
+        bitmask = resolve_bitmask(so.grammar_bitmask, slots_ok=self.mask_table is not None)
+        if isinstance(bitmask, SlotBitmask):
+            slots = bitmask.slots if mask_rows == list(range(len(bitmask.slots))) else bitmask.slots[mask_rows]
+            self.apply_token_bitmask(logits, self.mask_table.sync(bitmask), logits_rows, slots=slots)
+            return
+        if mask_rows != list(range(bitmask.shape[0])):
+            # numpy on this thread: torch's indexing splits the copy over its intra-op threads
+            bitmask = torch.from_numpy(bitmask.numpy()[mask_rows])
+        self.apply_token_bitmask(logits, bitmask, logits_rows)
 
     def _sampling_metadata(self, states: list[CachedRequestState]):
         from runtime.sample.metadata import build_sampling_metadata

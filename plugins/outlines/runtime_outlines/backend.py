@@ -29,9 +29,10 @@ import re
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from runtime.structured_output import GuidedKind
+from runtime.structured_output import GuidedKind, SlotBitmask
 from runtime_outlines.grammar import CompiledSpec, OutlinesGrammar
 from runtime_outlines.masks import MaskTable
 from runtime_outlines.numbers import bounded_number_regex, replace_subschemas
@@ -248,6 +249,15 @@ class OutlinesBackend:
                 f"on {bitmask.device}"
             )
         masks.gather([grammar.mask_slot() for grammar in grammars], bitmask)
+
+    def bitmask_slots(self, grammars: Sequence[OutlinesGrammar]):
+        """The step's bitmask as slots of the mask table (``runtime.structured_output.SlotBitmask``):
+        one slot lookup per row, no row copied."""
+        masks = self.masks
+        slots = np.fromiter((grammar.mask_slot() for grammar in grammars), dtype=np.int32, count=len(grammars))
+        result = SlotBitmask(masks.rows, masks.count, id(masks), masks.num_resets, slots)
+        masks.end_fill()  # a reset starts a new table: ``result`` keeps the rows its slots name
+        return result
 
     @staticmethod
     def _index_error(kind: GuidedKind, spec: str, regex: str, exc: Exception) -> str:

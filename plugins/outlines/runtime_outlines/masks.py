@@ -8,6 +8,9 @@ and states. Row 0 allows only the end token (a grammar that accepted EOS).
 
 The table is cleared once it holds ``max_bytes`` (after the fill that filled it, so a step's
 slots stay valid while it gathers); the states in use get rows again on their next fill.
+A written row is never changed: growing and clearing allocate a new tensor (``num_resets``
+counts the clears), so a step's :class:`runtime.structured_output.SlotBitmask` can keep
+naming rows of the tensor it was taken from, and a device copy needs only the new rows.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The outlines backend's batched bitmask fill: every row equals the grammar's own per-row fill
-and outlines-core's own ``Guide`` answer, for grammars in random states of many specs at once
-(the shared mask table included, also when it fills up and is cleared)."""
+"""The outlines backend's batched bitmask fill and its slots form: every row equals the grammar's
+own per-row fill and outlines-core's own ``Guide`` answer, for grammars in random states of many
+specs at once (the shared mask table included, also when it fills up and is cleared, and the
+device copy of the table that only receives new rows)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from outlines_core import Guide
 
 from runtime.bench.structured import SCHEMAS as BENCH_SCHEMAS
+from runtime.sample.bitmask import DeviceMaskTable, apply_token_bitmask, unpack_bitmask
 from runtime.structured_output import GuidedKind, allocate_token_bitmask, fill_bitmask_batch
 from runtime_outlines.backend import OutlinesBackend
 from runtime_outlines.masks import MaskTable
@@ -62,12 +64,13 @@ def replay(grammar) -> Guide:
 
 
 @pytest.mark.parametrize("max_bytes", [None, 40 * 4 * (VOCAB // 32)], ids=["table", "table cleared when full"])
-def test_batched_fill_equals_per_row_fills_and_outlines_core(smollm2_tokenizer, max_bytes):
+def test_batched_fill_and_slots_equal_per_row_fills_and_outlines_core(smollm2_tokenizer, max_bytes):
     backend = OutlinesBackend(smollm2_tokenizer, VOCAB)
     if max_bytes is not None:  # a table of 40 rows: it fills up and is cleared between fills
         backend.masks = MaskTable(backend.masks.num_words, backend.masks.end_token_id, max_bytes=max_bytes)
     rng = random.Random(0)
     eos = smollm2_tokenizer.eos_token_id
+    mirror = DeviceMaskTable("cpu", copy=True)
     for round_ in range(4):
         grammars = random_grammars(backend, rng, 48)
         batch = torch.empty((len(grammars), (VOCAB + 31) // 32), dtype=torch.int32)
@@ -76,6 +79,11 @@ def test_batched_fill_equals_per_row_fills_and_outlines_core(smollm2_tokenizer, 
         for row, grammar in enumerate(grammars):
             grammar.fill_bitmask(per_row, row)
         assert torch.equal(batch, per_row)
+        slots = backend.bitmask_slots(grammars)
+        assert torch.equal(slots.dense(), batch)
+        # through a table copy refreshed with new rows only (as on a GPU), also across clears
+        masked = apply_token_bitmask(torch.zeros(len(grammars), VOCAB), mirror.sync(slots), slots=slots.slots)
+        assert torch.equal(torch.isfinite(masked), unpack_bitmask(batch, VOCAB))
         for row, grammar in enumerate(grammars):
             expected = {eos} if grammar._ended else set(replay(grammar).get_tokens())
             assert allowed_ids(batch[row]) == expected, (round_, row, grammar)
