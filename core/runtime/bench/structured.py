@@ -63,10 +63,12 @@ def compile_times(llm) -> list[float]:
     return times
 
 
-def run_runtime_structured(args, workload, llm_kwargs: dict, rounds: int = 2) -> dict:
+def run_runtime_structured(args, workload, llm_kwargs: dict, rounds: int = 2, min_seconds: float = 5.0,
+                           max_rounds: int = 10) -> dict:
     """The constrained workload once untimed (it warms the engine up and gives each request's
-    length), then ``rounds`` of constrained and free runs in turn; returns mean timings, lengths
-    and compile times.
+    length), then at least ``rounds`` of constrained and free runs in turn, more (up to
+    ``max_rounds``) until each side has run ``min_seconds`` (runs of a fraction of a second vary
+    by tens of percent on a GPU); returns mean timings, lengths and compile times.
 
     Measured in turn, not first-then-second: the first full-size run of a process pays one-time
     costs (allocations, kernels compiled for new shapes) that would otherwise land on whichever
@@ -94,7 +96,9 @@ def run_runtime_structured(args, workload, llm_kwargs: dict, rounds: int = 2) ->
     # low bits of the logits, as bfloat16 on a GPU does: the lengths are taken per round.)
     timings: dict[str, list[float]] = {"constrained": [], "free": []}
     tokens: dict[str, list[int]] = {"constrained": [], "free": []}
-    for _ in range(rounds):
+    while len(timings["free"]) < rounds or (
+        len(timings["free"]) < max_rounds and min(sum(timings["free"]), sum(timings["constrained"])) < min_seconds
+    ):
         start = time.perf_counter()
         run = llm.generate(prompts, constrained, use_tqdm=not args.quiet)
         timings["constrained"].append(time.perf_counter() - start)
@@ -186,7 +190,7 @@ def print_report(result: dict, hf_s: float | None, num_requests: int) -> None:
     print(f"{'runtime unconstrained':<22} {result['free_s']:>8.2f} {free_tps:>13.1f}")
     if hf_s is not None:
         print(f"{'transformers json':<22} {hf_s:>8.2f} {tokens / hf_s:>13.1f}")
-    print(f"constrained / unconstrained: {constrained_tps / free_tps:.1%} (times: means of {len(result['rounds']['free'])} "
+    print(f"constrained / unconstrained: {constrained_tps / free_tps:.1%} (throughput over {len(result['rounds']['free'])} "
           f"rounds after a warm-up run; constrained {', '.join(f'{t:.2f}' for t in result['rounds']['constrained'])}, "
           f"free {', '.join(f'{t:.2f}' for t in result['rounds']['free'])})")
     print(f"schema compile s: p50 {statistics.median(times):.3f}  p99 {percentile(times, 99):.3f}  max {max(times):.3f}")
