@@ -14,8 +14,10 @@ import torch
 
 def upload(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``values`` (a list, a numpy array or a CPU tensor) as a tensor of ``dtype`` on ``device``."""
-    host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.as_tensor(values, dtype=dtype)
     device = torch.device(device)
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":  # already on a device
+        return values.to(device=device, dtype=dtype)
+    host = torch.from_numpy(values).to(dtype) if isinstance(values, np.ndarray) else torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
