@@ -70,6 +70,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class NewTokens(msgspec.Struct, array_like=True):
+    """The step's outputs that are one new token and nothing else, column by column: request
+    ``request_ids[i]`` got ``token_ids[i]``, not its first token nor one that ends it, and no logprobs.
+
+    The bulk of a decode step, sent without an :class:`EngineCoreOutput` per request.
+    """
+
+    request_ids: list[str]
+    token_ids: list[int]
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
@@ -79,6 +90,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # Requests the core ended because their input turned out bad after they were added
     # (a grammar that does not compile): request id -> why. Front ends raise ValueError.
     failed: dict[str, str] | None = None
+    # The step's plain one-token outputs (a request is in ``outputs`` or here, never both).
+    new_tokens: NewTokens | None = None
 
 
 # ---------------------------------------------------------------- one engine step

@@ -225,6 +225,11 @@ class EngineMetrics:
         engine = str(engine_index)
         for output in outputs.outputs:
             self._record_output(output, now, engine)
+        if outputs.new_tokens is not None:
+            for request_id in outputs.new_tokens.request_ids:
+                times = self._times.get(request_id)
+                if times is not None:
+                    self._record_tokens(times, 1, now)
         combined = None
         if outputs.scheduler_stats:
             combined = self._record_engine_stats(outputs.scheduler_stats, engine_index)

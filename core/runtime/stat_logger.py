@@ -59,6 +59,8 @@ class StatLogger:
         """One engine message; ``scheduler_stats``: the server's view of them, where several engines combine."""
         for output in outputs.outputs:
             self.num_generation_tokens += len(output.new_token_ids)
+        if outputs.new_tokens is not None:
+            self.num_generation_tokens += len(outputs.new_tokens.token_ids)
         stats = scheduler_stats or outputs.scheduler_stats
         if stats:
             self.scheduler_stats = stats

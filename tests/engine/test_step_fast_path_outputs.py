@@ -13,11 +13,12 @@ import random
 
 import pytest
 
-from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists
+from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, LogprobsLists, NewTokens
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.parent_request import ParentRequest, fan_out
 from runtime.engine.request_state import RequestState
 from runtime.sampling_params import RequestOutputKind, SamplingParams
+from runtime.testing.models import smollm2_tokenizer
 
 FINAL, CUMULATIVE = RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE
 
@@ -30,7 +31,7 @@ def make_processor(kind: RequestOutputKind, fast: bool, n: int = 1, **params) ->
     for index, child in enumerate(children):
         processor.add_request(child, None, parent, index)
         if not fast:
-            processor.request_states[child.request_id]._is_ids_only_final = False
+            processor.request_states[child.request_id].is_ids_only_final = False
     return processor, [child.request_id for child in children]
 
 
@@ -109,6 +110,38 @@ def test_aborted_request_ignores_later_outputs():
     run(processor, steps[:2])
     assert processor.abort_requests(["r"]) == ["r"]
     assert run(processor, steps[2:]) == [[]] * 4 and not processor.has_unfinished_requests()
+
+
+def as_columns(outputs: list[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], NewTokens | None]:
+    """A step as the scheduler sends it: plain one-token outputs (not finished, no logprobs, not a
+    first token, which carries num_cached_tokens) as columns, the rest as records."""
+    records = [o for o in outputs if o.finished or o.new_logprobs is not None or o.num_cached_tokens or len(o.new_token_ids) != 1]
+    plain = [o for o in outputs if o not in records]
+    return records, NewTokens([o.request_id for o in plain], [o.new_token_ids[0] for o in plain]) if plain else None
+
+
+@pytest.mark.parametrize("kind", [FINAL, CUMULATIVE, RequestOutputKind.DELTA])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("with_text", [False, True])
+def test_columns_give_the_outputs_records_give(kind, n, with_text):
+    """The step's plain tokens as columns (``EngineCoreOutputs.new_tokens``) or as records: the same
+    RequestOutputs, with and without text (batched detokenizing takes the columns too)."""
+    tokenizer = smollm2_tokenizer() if with_text else None
+    processors = []
+    for _ in range(2):
+        processor = OutputProcessor(tokenizer=tokenizer)
+        request = EngineCoreRequest("r", [1, 2, 3], SamplingParams(n=n, output_kind=kind, detokenize=with_text))
+        children = fan_out(request)
+        parent = ParentRequest(request) if len(children) > 1 else None
+        for index, child in enumerate(children):
+            processor.add_request(child, None, parent, index)
+        processors.append(processor)
+    steps = engine_outputs([child.request_id for child in children], seed=7, num_steps=8)
+    by_records = [processors[0].process_outputs(step).request_outputs for step in steps]
+    by_columns = [processors[1].process_outputs(*as_columns(step)).request_outputs for step in steps]
+    assert any(as_columns(step)[1] is not None for step in steps)
+    assert by_columns == by_records
+    assert by_records[-1] and by_records[-1][0].finished
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -1,9 +1,11 @@
-"""The decode fast path of Scheduler.schedule: identical to the general path, step by step.
+"""The decode fast paths of the Scheduler: identical to the general paths, step by step.
 
-The fast path skips ``KVCacheManager.allocate_slots`` for a running request whose next
-token lands inside its last block. The reference is the same scheduler with the fast
-path switched off (``no_op_decode_offsets`` emptied), run on the same workload with a
-fake model whose token at each position depends only on the request and the position.
+``schedule`` skips ``KVCacheManager.allocate_slots`` for a running request whose next
+token lands inside its last block; ``update_from_output`` sends a plain one-token output
+as a column entry (``EngineCoreOutputs.new_tokens``) instead of a record. The reference is
+the same scheduler with both switched off (``no_op_decode_offsets`` emptied, every update
+down the general path), run on the same workload with a fake model whose token at each
+position depends only on the request and the position.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import pytest
 
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.kv_cache_manager import KVCacheManager
-from runtime.messages import ModelRunnerOutput
+from runtime.messages import LogprobsLists, ModelRunnerOutput
 from runtime.scheduler.request import Request
 from runtime.scheduler.scheduler import Scheduler
+
+from support.engine_outputs import step_records
 
 EOS = 0
 VOCAB = 50
@@ -96,8 +100,17 @@ def step_record(scheduler: Scheduler) -> tuple:
         if scheduler.requests[req_id].num_output_placeholders  # schedule() marked it to sample
     ]
     tokens = [[fake_token(scheduler.requests[req_id].all_token_ids)] for req_id in sampled]
-    out = scheduler.update_from_output(so, ModelRunnerOutput(sampled, tokens))
-    outputs = [(o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens) for o in out.outputs]
+    first = {req_id for req_id in sampled if not scheduler.requests[req_id].output_token_ids}
+    runner_output = ModelRunnerOutput(sampled, tokens)
+    if scheduler.kv_cache_manager.no_op_decode_offsets == range(0):  # the reference: the general update path too
+        runner_output.prompt_logprobs = {"(no request)": LogprobsLists([], [], [])}  # selects it, matches no request
+    out = scheduler.update_from_output(so, runner_output)
+    # A first token goes as a record: it carries num_cached_tokens, which the columns do not.
+    assert out.new_tokens is None or not first.intersection(out.new_tokens.request_ids)
+    outputs = [
+        (o.request_id, o.new_token_ids, o.finish_reason, o.stop_reason, o.num_cached_tokens if o.request_id in first else None)
+        for o in step_records(so, out)
+    ]
     return list(so.num_scheduled_tokens.items()), new, cached, sorted(so.finished_req_ids), outputs
 
 

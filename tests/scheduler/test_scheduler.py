@@ -3,9 +3,12 @@
 from runtime.messages import ModelRunnerOutput
 from runtime.scheduler.request import RequestStatus
 
+from support.engine_outputs import step_records
+
 
 def run_step(scheduler, token=7):
-    """Schedule, pretend the model sampled ``token`` for every finished prefill/decode."""
+    """Schedule, pretend the model sampled ``token`` for every finished prefill/decode; returns the
+    scheduler output and every request's output record."""
     so = scheduler.schedule()
     sampled = [
         rid
@@ -13,7 +16,7 @@ def run_step(scheduler, token=7):
         if scheduler.requests[rid].num_output_placeholders  # schedule() marked it to sample
     ]
     out = scheduler.update_from_output(so, ModelRunnerOutput(sampled, [[token] for _ in sampled]))
-    return so, out
+    return so, step_records(so, out)
 
 
 def test_budget_is_shared_and_prefill_is_chunked(make_scheduler, make_request):
@@ -26,7 +29,7 @@ def test_budget_is_shared_and_prefill_is_chunked(make_scheduler, make_request):
     so, out = run_step(s)
     # a decodes one token, b finishes its prefill with the remaining 4
     assert so.num_scheduled_tokens == {"a": 1, "b": 4}
-    assert {o.request_id for o in out.outputs} == {"a", "b"}
+    assert {o.request_id for o in out} == {"a", "b"}
 
 
 def test_max_num_seqs_limits_running(make_scheduler, make_request):
@@ -51,11 +54,11 @@ def test_max_tokens_and_eos_and_stop_token_ids(make_scheduler, make_request):
     s.add_request(make_request("len", 4, max_tokens=2))
     s.add_request(make_request("stop", 4, max_tokens=10, stop_token_ids=[7]))
     _, out = run_step(s, token=7)
-    reasons = {o.request_id: (o.finish_reason, o.stop_reason) for o in out.outputs}
+    reasons = {o.request_id: (o.finish_reason, o.stop_reason) for o in out}
     assert reasons["stop"] == ("stop", 7)
     assert reasons["len"] == (None, None)
     _, out = run_step(s, token=7)
-    assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("len", "length")]
+    assert [(o.request_id, o.finish_reason) for o in out] == [("len", "length")]
     assert not s.has_requests()
 
 
@@ -64,11 +67,11 @@ def test_eos_respects_min_tokens_and_ignore_eos(make_scheduler, make_request):
     s.add_request(make_request("min", 4, max_tokens=5, min_tokens=2))
     s.add_request(make_request("ign", 4, max_tokens=3, ignore_eos=True))
     _, out = run_step(s, token=0)
-    assert all(o.finish_reason is None for o in out.outputs)
+    assert all(o.finish_reason is None for o in out)
     _, out = run_step(s, token=0)
-    assert {o.request_id: o.finish_reason for o in out.outputs} == {"min": "stop", "ign": None}
+    assert {o.request_id: o.finish_reason for o in out} == {"min": "stop", "ign": None}
     _, out = run_step(s, token=0)
-    assert [(o.request_id, o.finish_reason) for o in out.outputs] == [("ign", "length")]
+    assert [(o.request_id, o.finish_reason) for o in out] == [("ign", "length")]
 
 
 def test_preemption_frees_blocks_and_resumes_by_recompute(make_scheduler, make_request):
@@ -82,7 +85,7 @@ def test_preemption_frees_blocks_and_resumes_by_recompute(make_scheduler, make_r
         so, out = run_step(s)
         if so.finished_req_ids - finished:
             seen_preempt = True
-        finished |= {o.request_id for o in out.outputs if o.finished}
+        finished |= {o.request_id for o in out if o.finished}
         if not s.has_requests():
             break
     assert seen_preempt and s.num_preemptions > 0
@@ -142,7 +145,7 @@ def test_prefix_cache_hit_counts_cached_tokens(make_scheduler, make_request):
     s.add_request(make_request("b", 12, max_tokens=1))
     so, out = run_step(s)
     assert so.num_scheduled_tokens == {"b": 4} and so.scheduled_new_reqs[0].num_computed_tokens == 8
-    assert out.outputs[0].num_cached_tokens == 8
+    assert out[0].num_cached_tokens == 8
 
 
 def test_priority_policy_preempts_the_lowest_priority_running_request(make_scheduler, make_request):
@@ -164,8 +167,8 @@ def test_eos_that_is_also_a_stop_token_id_reports_no_stop_reason(make_scheduler,
     s.add_request(make_request("ign", 4, max_tokens=10, stop_token_ids=[0], ignore_eos=True))
     s.add_request(make_request("min", 4, max_tokens=10, stop_token_ids=[0], min_tokens=2))
     _, out = run_step(s, token=0)
-    reasons = {o.request_id: (o.finish_reason, o.stop_reason) for o in out.outputs}
+    reasons = {o.request_id: (o.finish_reason, o.stop_reason) for o in out}
     # EOS wins over the same id in stop_token_ids; under ignore_eos the stop id still ends it.
     assert reasons == {"eos": ("stop", None), "ign": ("stop", 0), "min": (None, None)}
     _, out = run_step(s, token=0)
-    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in out.outputs] == [("min", "stop", None)]
+    assert [(o.request_id, o.finish_reason, o.stop_reason) for o in out] == [("min", "stop", None)]

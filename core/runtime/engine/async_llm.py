@@ -26,7 +26,7 @@ from runtime.engine.llm_engine import load_tokenizer
 from runtime.engine.coalesce import take_queued
 from runtime.engine.parent_request import ParentRequest, fan_out
 from runtime.engine.request_state import RequestState
-from runtime.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from runtime.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, NewTokens
 from runtime.metrics import EngineMetrics
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -251,16 +251,21 @@ class AsyncLLM:
         bounded work (a step of many prompt logprobs would otherwise hold the event loop, and every other
         client, for seconds)."""
         self.metrics.record(outputs, engine_index=engine_index)
+        # The plain one-token outputs (one per running request at most, each cheap) go with the first chunk.
+        new_tokens = outputs.new_tokens
         for index, chunk in enumerate(split_outputs(outputs.outputs, ROUTE_CHUNK_ENTRIES)):
             if index:
                 await asyncio.sleep(0)
-            self._route_chunk(chunk)
+            self._route_chunk(chunk, new_tokens)
+            new_tokens = None
+        if new_tokens is not None:
+            self._route_chunk([], new_tokens)
 
-    def _route_chunk(self, outputs: list[EngineCoreOutput]) -> None:
+    def _route_chunk(self, outputs: list[EngineCoreOutput], new_tokens: NewTokens | None = None) -> None:
         for output in outputs:
             if output.finished:
                 self._parent_of.pop(output.request_id, None)
-        processed = self.output_processor.process_outputs(outputs)
+        processed = self.output_processor.process_outputs(outputs, new_tokens)
         for request_output in processed.request_outputs:
             queue = self._queues.get(request_output.request_id)
             if queue is not None:

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from runtime.engine_args import EngineArgs
-from runtime.messages import EngineCoreOutputs, EngineCoreRequest
+from runtime.messages import EngineCoreOutputs, EngineCoreRequest, NewTokens
 
 logger = logging.getLogger(__name__)
 
@@ -130,21 +130,29 @@ class EngineCoreProc:
         self._last_stats = outputs.scheduler_stats
         if len(self.outputs) > 1:
             self._send_routed(outputs)
-        elif outputs.outputs or outputs.scheduler_stats:
+        elif outputs.outputs or outputs.new_tokens or outputs.scheduler_stats:
             self.outputs[0].send_multipart([OUTPUTS, encode(outputs)], copy=False)
 
     def _send_routed(self, outputs: EngineCoreOutputs) -> None:
         """Each client's share of one step; client 0 also gets the scheduler stats."""
         groups: list[list] = [[] for _ in self.outputs]
+        token_groups = [NewTokens([], []) for _ in self.outputs]
         owner = self._owner
         for output in outputs.outputs:
             client = owner.pop(output.request_id, None) if output.finish_reason is not None else owner.get(output.request_id)
             if client is not None:  # None: aborted by its client meanwhile
                 groups[client].append(output)
-        for client, group in enumerate(groups):
+        if outputs.new_tokens is not None:
+            for request_id, token in zip(outputs.new_tokens.request_ids, outputs.new_tokens.token_ids):
+                client = owner.get(request_id)
+                if client is not None:
+                    token_groups[client].request_ids.append(request_id)
+                    token_groups[client].token_ids.append(token)
+        for client, (group, tokens) in enumerate(zip(groups, token_groups)):
             stats = outputs.scheduler_stats if client == 0 else None
-            if group or stats:
-                message = EngineCoreOutputs(outputs=group, timestamp=outputs.timestamp, scheduler_stats=stats)
+            tokens = tokens if tokens.request_ids else None
+            if group or tokens or stats:
+                message = EngineCoreOutputs(outputs=group, timestamp=outputs.timestamp, scheduler_stats=stats, new_tokens=tokens)
                 self.outputs[client].send_multipart([OUTPUTS, encode(message)], copy=False)
 
     def _send_idle_stats(self) -> None:

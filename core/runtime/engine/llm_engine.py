@@ -64,7 +64,7 @@ class LLMEngine:
             self.output_processor.abort_requests(list(outputs.failed))
             request_id, message = next(iter(outputs.failed.items()))
             raise ValueError(f"request {request_id}: {message}")
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs.outputs, outputs.new_tokens)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         self.last_stats = outputs.scheduler_stats

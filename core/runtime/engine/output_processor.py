@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from runtime.engine.detokenizer import IncrementalDetokenizer, batch_decoder
 from runtime.engine.logprobs import TokenTexts
-from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from runtime.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, NewTokens
 from runtime.engine.parent_request import ParentRequest
 from runtime.engine.request_state import RequestState
 from runtime.outputs import RequestOutput
@@ -82,36 +82,32 @@ class OutputProcessor:
             if state.parent is not None:
                 self.parent_requests[state.parent.request_id] = state.parent
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Update every request named in ``outputs`` and return this step's RequestOutputs.
+    def process_outputs(self, outputs: list[EngineCoreOutput], new_tokens: NewTokens | None = None) -> ProcessedOutputs:
+        """Update every request named in ``outputs`` and ``new_tokens`` (the step's plain one-token
+        outputs, column by column) and return this step's RequestOutputs.
 
         Outputs for requests not tracked (finished or aborted before) are ignored.
         """
         processed = ProcessedOutputs()
-        if self._batch_decode is not None and len(outputs) > 1:
-            self._predecode(outputs)
+        if self._batch_decode is not None and len(outputs) + (len(new_tokens.request_ids) if new_tokens else 0) > 1:
+            self._predecode(outputs, new_tokens)
         # A parent's RequestOutput is built once all its children of this step are in.
         slots: list[RequestOutput | tuple[ParentRequest, str | None]] = []
         parents_seen: set[str] = set()
+        states = self.request_states
+        if new_tokens is not None:
+            for req_id, token in zip(new_tokens.request_ids, new_tokens.token_ids):
+                state = states.get(req_id)
+                if state is None:
+                    continue
+                if state.is_ids_only_final:  # until its last output, only the ids grow
+                    state.detokenizer.output_token_ids.append(token)
+                else:
+                    self._process_one(state, EngineCoreOutput(req_id, [token]), processed, slots, parents_seen)
         for output in outputs:
-            state = self.request_states.get(output.request_id)
-            if state is None or state.update_silently(output):
-                continue
-            finish_reason, stop_reason, hit_stop_string = state.update(output)
-            if hit_stop_string and not output.finished:
-                processed.reqs_to_abort.append(state.request_id)
-            completion = state.make_completion_output(finish_reason, stop_reason)
-            parent = state.parent
-            if completion is not None and parent is None:
-                slots.append(state.make_request_output(completion))
-            elif completion is not None:
-                parent.num_cached_tokens = max(parent.num_cached_tokens, state.num_cached_tokens)
-                parent.add_child_output(completion)
-                if parent.request_id not in parents_seen:
-                    parents_seen.add(parent.request_id)
-                    slots.append((parent, state.prompt))
-            if finish_reason is not None:
-                self._forget(state)
+            state = states.get(output.request_id)
+            if state is not None and not state.update_silently(output):
+                self._process_one(state, output, processed, slots, parents_seen)
         for slot in slots:
             if isinstance(slot, RequestOutput):
                 processed.request_outputs.append(slot)
@@ -121,17 +117,43 @@ class OutputProcessor:
                 processed.request_outputs.append(parent_output)
         return processed
 
-    def _predecode(self, outputs: list[EngineCoreOutput]) -> None:
+    def _process_one(
+        self, state: RequestState, output: EngineCoreOutput, processed: ProcessedOutputs, slots: list, parents_seen: set[str]
+    ) -> None:
+        """Take in an output that needs text, logprobs or a RequestOutput built (``slots``: see process_outputs)."""
+        finish_reason, stop_reason, hit_stop_string = state.update(output)
+        if hit_stop_string and not output.finished:
+            processed.reqs_to_abort.append(state.request_id)
+        completion = state.make_completion_output(finish_reason, stop_reason)
+        parent = state.parent
+        if completion is not None and parent is None:
+            slots.append(state.make_request_output(completion))
+        elif completion is not None:
+            parent.num_cached_tokens = max(parent.num_cached_tokens, state.num_cached_tokens)
+            parent.add_child_output(completion)
+            if parent.request_id not in parents_seen:
+                parents_seen.add(parent.request_id)
+                slots.append((parent, state.prompt))
+        if finish_reason is not None:
+            self._forget(state)
+
+    def _predecode(self, outputs: list[EngineCoreOutput], new_tokens: NewTokens | None) -> None:
         """Decode the text windows of this step's new tokens (one per request) in one batch call per
         ``skip_special_tokens`` value, instead of two ``tokenizer.decode`` calls per request."""
+        single = [
+            (output.request_id, output.new_token_ids[0])
+            for output in outputs
+            # several tokens (spec decode) or maybe a stop token left out of the text: one by one
+            if len(output.new_token_ids) == 1 and output.finish_reason != FinishReason.STOP
+        ]
+        if new_tokens is not None:
+            single.extend(zip(new_tokens.request_ids, new_tokens.token_ids))
         groups: dict[bool, list[tuple[IncrementalDetokenizer, tuple[list[int], list[int]]]]] = {}
-        for output in outputs:
-            if len(output.new_token_ids) != 1 or output.finish_reason == FinishReason.STOP:
-                continue  # several tokens (spec decode) or maybe a stop token left out of the text: one by one
-            state = self.request_states.get(output.request_id)
+        for req_id, token in single:
+            state = self.request_states.get(req_id)
             detokenizer = state.detokenizer if state is not None else None
             if isinstance(detokenizer, IncrementalDetokenizer) and detokenizer.can_batch_decode:
-                windows = detokenizer.decode_windows(output.new_token_ids[0])
+                windows = detokenizer.decode_windows(token)
                 groups.setdefault(detokenizer.skip_special_tokens, []).append((detokenizer, windows))
         for skip_special_tokens, items in groups.items():
             texts = self._batch_decode([window for _, windows in items for window in windows], skip_special_tokens)

@@ -41,7 +41,7 @@ class RequestState:
         self._num_sent_tokens = 0
         self._prompt_logprobs_sent = False
         # FINAL_ONLY without text: until the last step, an output only adds token ids.
-        self._is_ids_only_final = self.output_kind == RequestOutputKind.FINAL_ONLY and isinstance(
+        self.is_ids_only_final = self.output_kind == RequestOutputKind.FINAL_ONLY and isinstance(
             self.detokenizer, NoopDetokenizer
         )
 
@@ -52,7 +52,7 @@ class RequestState:
         ``make_completion_output`` (the last output, logprobs, text to build).
         """
         if (
-            not self._is_ids_only_final
+            not self.is_ids_only_final
             or output.finish_reason is not None
             or output.new_logprobs is not None
             or output.new_prompt_logprobs is not None

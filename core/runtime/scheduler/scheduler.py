@@ -16,9 +16,9 @@ from runtime.config import CacheConfig, SchedulerConfig
 from runtime.messages import CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from runtime.scheduler.kv_cache_manager import KVCacheManager
 from runtime.scheduler.kv_connector import SchedulerConnector
-from runtime.scheduler.output import grammar_ends, make_output
+from runtime.scheduler.output import append_plain_tokens, append_tokens
 from runtime.scheduler.request import Request, RequestStatus
-from runtime.scheduler.stopping import SpecDecodeStats, check_stop
+from runtime.scheduler.stopping import SpecDecodeStats
 from runtime.scheduler.structured_output import StructuredOutputManager
 
 # Enum members looked up once: a class attribute lookup costs ~150 ns on Python 3.11,
@@ -341,6 +341,24 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        if scheduler_output.scheduled_spec_decode_tokens or runner_output.prompt_logprobs or runner_output.logprobs is not None:
+            outputs, new_tokens = self._update_requests(scheduler_output, runner_output), None
+        else:
+            new_tokens, outputs = append_plain_tokens(self.requests, runner_output, self.max_model_len)
+        finished = set()
+        for output in outputs:
+            if output.finish_reason is not None:
+                finished.add(output.request_id)
+                output.kv_transfer_params = self._free(self.requests[output.request_id])
+        if finished:
+            self.running[:] = [r for r in self.running if r.request_id not in finished]
+        failed, self.failed = self.failed, {}
+        if self.kv_connector is not None:
+            self.kv_connector.step_done(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(), failed=failed or None, new_tokens=new_tokens)
+
+    def _update_requests(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Any step (drafts verified, logprobs, prompt logprobs): every output as a record."""
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
         row_of = {}  # first logprobs row of each request that sampled (one row per sampled token)
         if runner_output.logprobs is not None:
@@ -351,14 +369,12 @@ class Scheduler:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         prompt_chunks = runner_output.prompt_logprobs
         outputs: list[EngineCoreOutput] = []
-        finished: set[str] = set()
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+        for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != _RUNNING:
                 continue  # aborted or preempted while the step ran
             if prompt_chunks and req_id in prompt_chunks and not request.output_token_ids:
                 request.prompt_logprobs.append(prompt_chunks[req_id])
-            new_tokens: list[int] = []
             if req_id in sampled and request.num_output_placeholders:
                 request.num_output_placeholders -= 1  # its token is back
             if spec_tokens and req_id in spec_tokens and req_id in sampled:
@@ -369,26 +385,10 @@ class Scheduler:
                 if self.spec_stats is None:
                     self.spec_stats = SpecDecodeStats(0)
                 self.spec_stats.observe(num_drafts, num_emitted - 1)
-            grammar = request.grammar.grammar if request.grammar is not None else None
-            for token in sampled.get(req_id, ()):
-                request.append_output_token(token)
-                new_tokens.append(token)
-                if check_stop(request, self.max_model_len):
-                    break
-                if grammar is not None and grammar_ends(request, grammar, token):
-                    break
-            if not new_tokens and not (request.prompt_logprobs and request.num_computed_tokens >= request.num_prompt_tokens):
-                continue  # a prompt chunk that produced nothing to report yet
-            outputs.append(make_output(request, new_tokens, runner_output, row_of.get(req_id)))
-            if request.status >= _FINISHED:
-                finished.add(req_id)
-                outputs[-1].kv_transfer_params = self._free(request)
-        if finished:
-            self.running[:] = [r for r in self.running if r.request_id not in finished]
-        failed, self.failed = self.failed, {}
-        if self.kv_connector is not None:
-            self.kv_connector.step_done(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(), failed=failed or None)
+            output = append_tokens(request, sampled.get(req_id, ()), runner_output, row_of.get(req_id), self.max_model_len)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def stats(self) -> dict:
         prefix = self.kv_cache_manager.stats
