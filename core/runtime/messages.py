@@ -111,17 +111,17 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the workers already hold: only what changed."""
+    """The requests the workers already hold, column by column: only what changed."""
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # of each, before this step
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # only the requests given blocks
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # finished or preempted since last step

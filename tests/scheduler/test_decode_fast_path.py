@@ -93,7 +93,8 @@ def step_record(scheduler: Scheduler) -> tuple:
     """One step (schedule, fake model, update) as plain data to compare."""
     so = scheduler.schedule()
     new = [(r.req_id, r.block_ids, r.num_computed_tokens, r.output_token_ids) for r in so.scheduled_new_reqs]
-    cached = [(r.req_id, r.new_block_ids, r.num_computed_tokens) for r in so.scheduled_cached_reqs]
+    c = so.scheduled_cached_reqs
+    cached = (c.req_ids, c.num_computed_tokens, c.new_block_ids)
     sampled = [
         req_id
         for req_id in so.num_scheduled_tokens

@@ -50,7 +50,9 @@ def record_drafts(llm: LLM, monkeypatch) -> list[tuple[str, int, list[int]]]:
 
     def recording(so, inputs, token_ids):
         drafts = propose(so, inputs, token_ids)
-        computed = {r.req_id: r.num_computed_tokens for r in [*so.scheduled_new_reqs, *so.scheduled_cached_reqs]}
+        cached = so.scheduled_cached_reqs
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, tokens in (drafts.token_ids if drafts is not None else {}).items():
             records.append((req_id, computed[req_id], list(tokens)))
         return drafts

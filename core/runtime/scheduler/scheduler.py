@@ -179,7 +179,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         num_scheduled: dict[str, int] = {}
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
         if self.waiting_for_grammar:
@@ -221,7 +221,7 @@ class Scheduler:
         self,
         budget: int,
         num_scheduled: dict[str, int],
-        cached_reqs: list[CachedRequestData],
+        cached_reqs: CachedRequestData,
         spec_tokens: dict[str, list[int]],
     ) -> int | None:
         """Running requests, oldest first, preempting from the back when blocks run out.
@@ -233,6 +233,7 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         block_size, no_op_offsets = kv.block_size, kv.no_op_decode_offsets
+        cached_ids, cached_computed = cached_reqs.req_ids, cached_reqs.num_computed_tokens
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
@@ -251,7 +252,8 @@ class Scheduler:
                     drafts = None
             if num_new == 1 and num_computed % block_size in no_op_offsets and not (placeholders and self._ends_by_length(request)):
                 # Fast path: one token (usually a decode) that lands inside the last block.
-                cached_reqs.append(CachedRequestData(request.request_id, [], num_computed))
+                cached_ids.append(request.request_id)
+                cached_computed.append(num_computed)
                 num_scheduled[request.request_id] = 1
                 request.num_computed_tokens = num_computed + 1
                 request.num_output_placeholders = placeholders + 1
@@ -273,7 +275,10 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted itself; self.running shrank at or after index
-            cached_reqs.append(CachedRequestData(request.request_id, block_ids, num_computed))
+            cached_ids.append(request.request_id)
+            cached_computed.append(num_computed)
+            if block_ids:
+                cached_reqs.new_block_ids[request.request_id] = block_ids
             num_scheduled[request.request_id] = num_new
             if drafts:
                 spec_tokens[request.request_id] = drafts

@@ -85,7 +85,7 @@ class StepBuffers:
         return self.block_table[:full_rows]
 
     def start_download(self, token_ids: torch.Tensor) -> TokenDownload:
-        """Begin copying sampled ids ``[n]`` to the host; ``wait()`` returns them as a list."""
+        """Begin copying sampled ids ``[n]`` to the host; ``wait()`` returns them there."""
         if token_ids.device.type == "cpu":
             return TokenDownload(token_ids, None)
         host = self.sampled[self.num_downloads % 2][: token_ids.shape[0]]
@@ -103,7 +103,7 @@ class TokenDownload:
         self.host = host
         self.event = event
 
-    def wait(self) -> list[int]:
+    def wait(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        return self.host

@@ -215,12 +215,12 @@ class ModelRunner:
             return self._receive_sampled(inputs)
         if self.spec_runner is not None and not so.scheduled_spec_decode_tokens:
             self.spec_runner.record(inputs, hidden)  # every scheduled token is valid
-        plain = all(s.plain_greedy for s in inputs.states)
+        plain = inputs.plain_greedy
         prompt_logprobs = {} if plain else self._prompt_logprobs(inputs, hidden)
         sample_rows = np.nonzero(inputs.sample_mask)[0]
         if len(sample_rows) == 0:
             return PendingOutput.done(ModelRunnerOutput([], [], None, prompt_logprobs))
-        states = inputs.states if len(sample_rows) == len(inputs.states) else [inputs.states[i] for i in sample_rows]
+        states, req_ids, rows = _sampling(inputs, sample_rows)
         if so.scheduled_spec_decode_tokens:
             return self._verify_drafts(so, inputs, hidden, states, sample_rows, plain, prompt_logprobs, drafts)
         if len(sample_rows) == hidden.shape[0]:  # a decode step: every token is sampled
@@ -234,9 +234,9 @@ class ModelRunner:
         sampler_output = self.sampler(logits, metadata)
         if self.world_size > 1:  # every rank continues from the output rank's tokens (earlier stages have none)
             broadcast_from_last_stage(sampler_output.sampled_token_ids)
-        batch.sampled_on_device(states, sampler_output.sampled_token_ids)
+        batch.sampled_on_device(rows, sampler_output.sampled_token_ids)
         download = batch.buffers.start_download(sampler_output.sampled_token_ids)
-        return PendingOutput(batch, states, download, sampler_output.logprobs, prompt_logprobs)
+        return PendingOutput(batch, states, req_ids, rows, download, sampler_output.logprobs, prompt_logprobs)
 
     def _receive_sampled(self, inputs: StepInputs) -> PendingOutput:
         """An earlier pipeline stage's step: its activations went on; the last stage's sampled
@@ -244,10 +244,11 @@ class ModelRunner:
         sample_rows = np.nonzero(inputs.sample_mask)[0]
         if len(sample_rows) == 0:
             return PendingOutput.done(ModelRunnerOutput([], []))
-        states = inputs.states if len(sample_rows) == len(inputs.states) else [inputs.states[i] for i in sample_rows]
+        states, req_ids, rows = _sampling(inputs, sample_rows)
         token_ids = broadcast_from_last_stage(torch.empty(len(states), dtype=torch.int64, device=self.device))
-        self.input_batch.sampled_on_device(states, token_ids)
-        return PendingOutput(self.input_batch, states, self.input_batch.buffers.start_download(token_ids), None, {})
+        self.input_batch.sampled_on_device(rows, token_ids)
+        download = self.input_batch.buffers.start_download(token_ids)
+        return PendingOutput(self.input_batch, states, req_ids, rows, download, None, {})
 
     def _verify_drafts(
         self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor, states: list[CachedRequestState],
@@ -313,14 +314,15 @@ class ModelRunner:
     def _sampling_metadata(self, states: list[CachedRequestState]):
         from runtime.sample.metadata import build_sampling_metadata
 
+        output_token_ids = [self.input_batch.output_token_ids(s) for s in states]
         generators = [
-            step_generator(s.sampling_params.seed, len(s.output_token_ids), self.device) if s.sampling_params.seed is not None else None
-            for s in states
+            step_generator(s.sampling_params.seed, len(output), self.device) if s.sampling_params.seed is not None else None
+            for s, output in zip(states, output_token_ids)
         ]
         return build_sampling_metadata(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
+            output_token_ids,
             generators,
             self.model_config.vocab_size,
             self.device,
@@ -330,8 +332,8 @@ class ModelRunner:
         """Logprobs of the prompt tokens this step's chunk predicts (position p -> token p + 1)."""
         result: dict[str, LogprobsLists] = {}
         for i, state in enumerate(inputs.states):
-            if not state.wants_prompt_logprobs:
-                continue
+            if state.sampling_params.prompt_logprobs is None or inputs.num_known[i] > len(state.prompt_token_ids):
+                continue  # none wanted, or no longer computing its prompt (outputs since)
             from runtime.sample.logprobs import compute_prompt_logprobs, to_lists
 
             start = int(inputs.num_computed[i])
@@ -351,3 +353,10 @@ class ModelRunner:
                 [r for p in pieces for r in p.token_ids], [r for p in pieces for r in p.logprobs], [r for p in pieces for r in p.ranks]
             )
         return result
+
+
+def _sampling(inputs: StepInputs, sample_rows: np.ndarray) -> tuple[list[CachedRequestState], list[str], np.ndarray]:
+    """The states, ids and input batch rows of the step's requests that sample (``sample_rows``)."""
+    if len(sample_rows) == len(inputs.states):
+        return inputs.states, inputs.req_ids, inputs.rows
+    return [inputs.states[i] for i in sample_rows], [inputs.req_ids[i] for i in sample_rows], inputs.rows[sample_rows]

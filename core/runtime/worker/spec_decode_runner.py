@@ -155,7 +155,7 @@ class SpecDecodeRunner:
         spec = so.scheduled_spec_decode_tokens
         drafting = [
             DraftRequest(i, len(spec[s.req_id]), s.sampling_params.temperature if not s.sampling_params.is_greedy else 0.0,
-                         s.sampling_params.seed, len(s.output_token_ids))
+                         s.sampling_params.seed, int(inputs.num_known[i]) - len(s.prompt_token_ids))
             for i, s in enumerate(inputs.states) if s.req_id in spec
         ]
         if self.module is None:
@@ -188,9 +188,9 @@ class SpecDecodeRunner:
             k = max(drafting[n].num_drafts for n in able)
             hidden = torch.cat([self.pending[states[n].req_id][-1:] for n in able])
             batch = ProposalBatch([states[n].req_id for n in able],
-                                  [token_ids[states[n].row, : states[n].num_tokens].tolist() for n in able], k, hidden)
+                                  [token_ids[states[n].row, : inputs.num_tokens[drafting[n].index]].tolist() for n in able], k, hidden)
             proposed = dict(zip(able, self.proposer.propose(batch).token_ids))
-        return [pad_drafts(list(proposed.get(n, [])), r.num_drafts, int(token_ids[s.row, s.num_tokens - 1]))
+        return [pad_drafts(list(proposed.get(n, [])), r.num_drafts, int(token_ids[s.row, inputs.num_tokens[r.index] - 1]))
                 for n, (r, s) in enumerate(zip(drafting, states))]
 
     def _first_pass_rows(self, inputs, drafting: list[DraftRequest]) -> PassRows:
