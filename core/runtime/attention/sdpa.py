@@ -71,7 +71,11 @@ class SdpaAttentionBackend:
         q_lens = qsl[1:] - qsl[:-1]
         table = metadata.block_table.long()
         device = table.device
-        decodes = np.flatnonzero(q_lens == 1)
+        is_decode = q_lens == 1
+        if is_decode.all():  # a decode step: every row, in order, and no prefill
+            metadata.backend_data = SdpaStepData(torch.from_numpy(qsl[:-1]).to(device), seq_lens, table, [], metadata.block_size)
+            return metadata
+        decodes = np.flatnonzero(is_decode)
         metadata.backend_data = SdpaStepData(
             decode_rows=torch.from_numpy(qsl[decodes]).to(device),
             decode_seq_lens=seq_lens[decodes],
