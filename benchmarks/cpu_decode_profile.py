@@ -116,18 +116,19 @@ def split(engine, repeats: int) -> dict[str, tuple[float, float]]:
     import torch
 
     from runtime.models.layers import Linear
+    from runtime.worker.graphs import GraphShape
 
     runner = engine.engine_core.executor.worker.model_runner
     graphs, model = runner.graphs, runner.model
     parts = {"eager forward": lambda: graphs._run_compiled(1, model)}
     if graphs.compiled is not None:
         backend, real = graphs.backend, graphs.backend.forward
-        parts["compiled forward"] = lambda: graphs.run(1)
+        parts["compiled forward"] = lambda: graphs.run(GraphShape(1, 1))
 
         def stubbed():
             backend.forward = lambda spec, q, k, v, cache, metadata: torch.empty_like(q)
             try:
-                graphs.run(1)
+                graphs.run(GraphShape(1, 1))
             finally:
                 backend.forward = real
 

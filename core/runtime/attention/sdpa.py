@@ -100,6 +100,10 @@ class SdpaAttentionBackend:
             self.build_metadata(metadata)
         data: SdpaStepData = metadata.backend_data
         key_cache, value_cache = write_kv_cache(kv_cache, key, value, metadata.slot_mapping)  # [num_slots, kv_heads, head]
+        if not data.prefills and data.decode_rows.numel() == query.shape[0]:
+            # Every row a decode, in order: no output scatter (a batch-1 decode step runs this
+            # once per layer, where the calls saved are a good part of the step).
+            return self.decode(layer, query, kv_cache, data)
         key, value = as_cached(kv_cache, key, value)  # fresh prompts attend their keys as stored
         out = torch.empty_like(query)
         if data.decode_rows.numel():
