@@ -104,8 +104,34 @@ def test_engine_matches_transformers_with_the_dequantized_weights(method, tmp_pa
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, quantization=method, enforce_eager=True)
     layer = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0].mlp.gate_up_proj
     assert not hasattr(layer, "weight") and type(layer.quant_method).__name__.lower().startswith(method[:4])
+    assert llm.llm_engine.engine_core.executor.worker.model_runner.model.lm_head.quant_method is None  # float32 logits
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, ((tokens, steps), out) in enumerate(zip(expected, outputs)):
         check_logprobs_close_until_divergence(tokens, steps, out.outputs[0].token_ids, out.outputs[0].logprobs,
                                               atol=LOGPROB_ATOL, label=f"{method} prompt {i}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an untied and a tied output layer
+@pytest.mark.parametrize("method", ["int8_weight_only", "int4_weight_only"])
+def test_a_16_bit_model_computes_its_logits_with_int8_rows(arch, method, tmp_path_factory):
+    """bfloat16 models: the output layer (tied: a copy of the embedding) holds int8 rows and its
+    logits are the dequantized rows times the bfloat16 hidden state; the token lookup keeps the
+    embedding as loaded."""
+    path = build_untokenized_model(arch, tmp_path_factory.mktemp(arch))
+    llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True, quantization=method, enforce_eager=True)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    head = model.lm_head
+    assert isinstance(head.quant_method, Int8WeightOnlyLinear) and not hasattr(head, "weight")
+    embedding = model.model.embed_tokens.weight
+    assert embedding.dtype == torch.bfloat16
+    source = embedding if model.tie_word_embeddings else None
+    if source is not None:  # the copy is the embedding's weight quantized as any int8 layer's
+        rows, scales = quantize_rows(source.data)
+        assert torch.equal(head.int8_rows, rows) and torch.equal(head.row_scales, scales)
+    hidden = torch.randn(3, embedding.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = hidden.float() @ (head.int8_rows.float() * head.row_scales.float()[:, None]).t()
+    torch.testing.assert_close(model.compute_logits(hidden), expected, rtol=2e-2, atol=2e-2)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

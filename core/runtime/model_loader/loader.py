@@ -12,7 +12,7 @@ from torch import nn
 
 from runtime.config import LOAD_FORMATS
 from runtime.model_loader.resolve import ResolvedModel
-from runtime.models.quantize import process_quantized, quantize_linears, quantized_layers
+from runtime.models.quantize import process_quantized, quantize_linears, quantize_tied_head, quantized_layers
 from runtime.quantization import QuantConfig, detect_quant_method, hf_quantization_config
 
 DUMMY_STD = 0.02
@@ -46,6 +46,8 @@ def load_model(
             loaded = model.load_weights(_weights(resolved, fmt))
             _check_all_loaded(model, loaded, resolved.gguf_file or resolved.path)
         process_quantized(model)
+        if quant_config is not None:
+            quantize_tied_head(model, quant_config)
     model.eval()
     model.requires_grad_(False)
     return model

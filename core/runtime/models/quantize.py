@@ -86,3 +86,28 @@ def process_quantized(model: nn.Module) -> None:
             layer.quant_method.process_weights_after_loading(layer)
         except ValueError as exc:
             raise ValueError(f"{module_path}: {exc}") from None
+
+
+def quantize_tied_head(model: nn.Module, quant_config) -> bool:
+    """Give a model whose logits come from its tied embedding a quantized output layer of its
+    own, where ``quant_config`` asks for one (optional ``tied_head_method() -> LinearMethod |
+    None``): the method receives the embedding's weight as the layer's ``weight`` once loading
+    is done. The embedding itself stays as loaded. Returns True when a head was made."""
+    make = getattr(quant_config, "tied_head_method", None)
+    if make is None or getattr(model, "lm_head", True) is not None or not getattr(model, "tie_word_embeddings", False):
+        return False
+    method = make()
+    if method is None:
+        return False
+    from runtime.models.linear import ParallelLMHead
+
+    embedding = model.model.embed_tokens.weight
+    head = ParallelLMHead(embedding.shape[1], model.config.vocab_size)
+    del head.weight
+    head.quant_method = method
+    method.create_weights(head, embedding.shape[1], [embedding.shape[0]], embedding.dtype)
+    method.load(head, "weight", embedding.data, None)
+    method.process_weights_after_loading(head)
+    model.lm_head = head.to(embedding.device)
+    return True
+

@@ -2,9 +2,12 @@
 
 A one-token decode step reads every weight once, so on a CPU its matmuls are bound by the
 bytes of the weights (and their unpacking): int8 halves those of bfloat16, int4 quarters
-them. Every linear layer but ``lm_head`` (a tied head is the embedding and stays as loaded)
-is quantized from the checkpoint's 16/32-bit weight, so any such checkpoint works, the
-default GGUF model included (its tensors arrive dequantized):
+them. Every linear layer is quantized from the checkpoint's 16/32-bit weight, so any such
+checkpoint works, the default GGUF model included (its tensors arrive dequantized). In a
+16-bit model the output layer takes int8 rows with either method (as llama.cpp's files keep
+it in 8 bits, the default model's Q8_0 included); a tied one gets its own int8 copy of the
+embedding, which stays as loaded for the token lookup. A float32 model keeps its output
+layer: the kernels' bfloat16 results would coarsen its logits:
 
 - ``int8_weight_only``: int8 rows ``[out, in]``, one symmetric scale per output row
   (``amax / 127``), torch's ``_weight_int8pack_mm``;
@@ -78,7 +81,8 @@ class _WeightOnlyMethod:
                 f"{self.name} quantizes 16/32-bit checkpoints on load; this checkpoint is already "
                 f"quantized (quant_method {quantization_config.get('quant_method')!r})"
             )
-        return WeightOnlyConfig(self.name, self.linear)
+        head = getattr(model_config, "dtype", torch.float32) in (torch.bfloat16, torch.float16)
+        return WeightOnlyConfig(self.name, self.linear, quantize_head=head)
 
 
 class Int8WeightOnlyMethod(_WeightOnlyMethod):
@@ -99,13 +103,20 @@ class Int4WeightOnlyMethod(_WeightOnlyMethod):
 
 @dataclass(frozen=True)
 class WeightOnlyConfig:
-    """One linear method for every linear layer but ``lm_head``."""
+    """One linear method for every linear layer; int8 rows for the output layer, tied or not,
+    where ``quantize_head`` (16-bit models)."""
 
     name: str
     linear: Any
+    quantize_head: bool = False
 
     def linear_method(self, prefix: str):
-        return None if prefix == "lm_head" else self.linear
+        if prefix == "lm_head":
+            return self.tied_head_method()
+        return self.linear
+
+    def tied_head_method(self):
+        return Int8WeightOnlyLinear() if self.quantize_head else None
 
     def verify_platform(self, platform) -> None:
         from runtime.distributed import tp_size
