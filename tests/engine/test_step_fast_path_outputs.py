@@ -29,9 +29,10 @@ def make_processor(kind: RequestOutputKind, fast: bool, n: int = 1, **params) ->
     children = fan_out(request)
     parent = ParentRequest(request) if len(children) > 1 else None
     for index, child in enumerate(children):
-        processor.add_request(child, None, parent, index)
+        [state] = processor.new_states([child], None, parent, index)
         if not fast:
-            processor.request_states[child.request_id].is_ids_only_final = False
+            state.is_ids_only_final = False  # before it is tracked: the processor indexes such states
+        processor.add_states([state])
     return processor, [child.request_id for child in children]
 
 

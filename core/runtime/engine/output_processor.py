@@ -45,6 +45,9 @@ class OutputProcessor:
         self.stream_interval = stream_interval
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
+        # FINAL_ONLY requests without text: request id -> its output ids (the detokenizer's list),
+        # all that a plain token changes until the request's last output.
+        self._ids_only_final: dict[str, list[int]] = {}
         self._token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self._batch_decode = batch_decoder(tokenizer) if tokenizer is not None else None
 
@@ -79,6 +82,8 @@ class OutputProcessor:
             raise ValueError(f"request id {running!r} is already running; request ids must be unique")
         for state in states:
             self.request_states[state.request_id] = state
+            if state.is_ids_only_final:
+                self._ids_only_final[state.request_id] = state.detokenizer.output_token_ids
             if state.parent is not None:
                 self.parent_requests[state.parent.request_id] = state.parent
 
@@ -96,13 +101,12 @@ class OutputProcessor:
         parents_seen: set[str] = set()
         states = self.request_states
         if new_tokens is not None:
+            ids_only_final = self._ids_only_final
             for req_id, token in zip(new_tokens.request_ids, new_tokens.token_ids):
-                state = states.get(req_id)
-                if state is None:
-                    continue
-                if state.is_ids_only_final:  # until its last output, only the ids grow
-                    state.detokenizer.output_token_ids.append(token)
-                else:
+                output_ids = ids_only_final.get(req_id)
+                if output_ids is not None:
+                    output_ids.append(token)
+                elif (state := states.get(req_id)) is not None:
                     self._process_one(state, EngineCoreOutput(req_id, [token]), processed, slots, parents_seen)
         for output in outputs:
             state = states.get(output.request_id)
@@ -195,6 +199,7 @@ class OutputProcessor:
 
     def _forget(self, state: RequestState) -> None:
         self.request_states.pop(state.request_id, None)
+        self._ids_only_final.pop(state.request_id, None)
         parent = state.parent
         if parent is not None and parent.finished:
             self.parent_requests.pop(parent.request_id, None)

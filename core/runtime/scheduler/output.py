@@ -71,13 +71,14 @@ def append_tokens(
 
 
 def append_plain_tokens(
-    requests: dict[str, Request], runner_output: ModelRunnerOutput, max_model_len: int
+    requests: dict[str, Request], runner_output: ModelRunnerOutput, max_model_len: int, any_stop_ids: set[int]
 ) -> tuple[NewTokens | None, list[EngineCoreOutput]]:
     """A step of one sampled token per request and no logprobs (the usual decode step).
 
     A token that is not a request's first (that output carries ``num_cached_tokens``) and
     cannot end it goes into the columns, with no record and no call per request; the others
-    take :func:`append_tokens`. Requests that did not sample have nothing to report.
+    take :func:`append_tokens`. ``any_stop_ids`` holds every request's stop ids (a token
+    outside it stops none). Requests that did not sample have nothing to report.
     """
     request_ids: list[str] = []
     token_ids: list[int] = []
@@ -93,7 +94,7 @@ def append_plain_tokens(
         num_output = len(output_ids) + 1  # with this token
         if (
             num_output == 1 or num_output >= request.max_tokens or request.num_tokens >= max_model_len - 1
-            or token in request.stop_ids or request.grammar is not None
+            or token in any_stop_ids or request.grammar is not None
         ):
             outputs.append(append_tokens(request, sampled, runner_output, None, max_model_len))
             continue

@@ -50,6 +50,9 @@ class Scheduler:
         self.structured_output = structured_output
         self.waiting_for_grammar: list[Request] = []  # constrained requests whose grammar compiles
         self.failed: dict[str, str] = {}  # request id -> why, ended since the last update_from_output
+        # Every stop token id of every request added: a sampled token outside it ends no request
+        # (one small set to test a decode step's tokens against, not one set per request).
+        self.any_stop_ids: set[int] = set()
         # Speculative decoding (drafts set on requests by the engine's proposer between steps).
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_stats = SpecDecodeStats(num_speculative_tokens) if num_speculative_tokens else None
@@ -70,6 +73,7 @@ class Scheduler:
                 )
             request.grammar = self.structured_output.submit(constraint.kind, constraint.spec())
         self.requests[request.request_id] = request
+        self.any_stop_ids.update(request.stop_ids)
         (self.waiting if request.grammar is None else self.waiting_for_grammar).append(request)
         self.num_not_ahead += not request.schedules_ahead
 
@@ -349,7 +353,7 @@ class Scheduler:
         if scheduler_output.scheduled_spec_decode_tokens or runner_output.prompt_logprobs or runner_output.logprobs is not None:
             outputs, new_tokens = self._update_requests(scheduler_output, runner_output), None
         else:
-            new_tokens, outputs = append_plain_tokens(self.requests, runner_output, self.max_model_len)
+            new_tokens, outputs = append_plain_tokens(self.requests, runner_output, self.max_model_len, self.any_stop_ids)
         finished = set()
         for output in outputs:
             if output.finish_reason is not None:

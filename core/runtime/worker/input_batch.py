@@ -84,6 +84,10 @@ class InputBatch:
         # Bumped when a row is freed: the tokens of a step in flight for its old request are dropped.
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        # A step of one token each (a decode step): its query starts and scheduled counts, read-only.
+        self._decode_query_start_loc = np.arange(max_num_reqs + 1, dtype=np.int32)
+        self._decode_num_scheduled = np.ones(max_num_reqs, dtype=np.int64)
+        self._decode_query_start_loc.flags.writeable = self._decode_num_scheduled.flags.writeable = False
         self.requests: dict[str, CachedRequestState] = {}
         self._lookup_key: tuple[int, list[str]] | None = None  # (requests' version, ids) of the last lookup
         self._lookup_value: tuple[list[CachedRequestState], np.ndarray, bool] = ([], np.zeros(0, dtype=np.int64), True)
@@ -153,21 +157,23 @@ class InputBatch:
         req_ids = list(so.num_scheduled_tokens)
         states, rows, plain_greedy = self.lookup(req_ids)
         num_reqs = len(states)
-        num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         num_computed = self.num_computed[rows]
         num_all = self.num_tokens[rows]  # incl. on-device
+        num_known = self.num_known[rows]
         num_tokens = so.total_num_scheduled_tokens
-        if num_tokens == num_reqs:  # one token each (a decode step): token t belongs to request t
-            token_rows, token_req_rows = np.arange(num_reqs), rows
-            query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
-            positions = num_computed
+        if num_tokens == num_reqs and max(so.num_scheduled_tokens.values(), default=0) == 1:
+            # One token each (a decode step): token t belongs to request t.
+            num_scheduled = self._decode_num_scheduled[:num_reqs]
+            query_start_loc = self._decode_query_start_loc[: num_reqs + 1]
+            positions, token_req_rows, token_known, token_all = num_computed, rows, num_known, num_all
         else:
+            num_scheduled = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
             query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
             np.cumsum(num_scheduled, out=query_start_loc[1:])
             # positions[t] = num_computed[r] + (t - query_start[r]) for token t of request r
             token_rows = np.repeat(np.arange(num_reqs), num_scheduled)
             positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[:-1][token_rows] + num_computed[token_rows]
-            token_req_rows = rows[token_rows]
+            token_req_rows, token_known, token_all = rows[token_rows], num_known[token_rows], num_all[token_rows]
         seq_lens = (num_computed + num_scheduled).astype(np.int32)
         padded = graph_shape(num_reqs, num_tokens, int(num_scheduled.max())) if graph_shape is not None and num_reqs else None
         b = self.buffers
@@ -176,8 +182,7 @@ class InputBatch:
         # Padding: tokens with no request (slot -1: not cached), requests with no queries.
         b.input_ids.np[:num_tokens] = self.token_ids[token_req_rows, positions]
         b.input_ids.np[num_tokens:tokens_out] = 0
-        num_known = self.num_known[rows]
-        forward = self._forward_pending(rows, token_rows, positions, num_all, num_known)
+        forward = self._forward_pending(token_req_rows, positions, token_known, token_all)
         b.positions.np[:num_tokens] = positions
         b.positions.np[num_tokens:tokens_out] = 0
         block_numbers = self.block_table[token_req_rows, positions // self.block_size]
@@ -211,21 +216,22 @@ class InputBatch:
             block_table=b.upload_block_table(num_reqs, width, reqs_out if padded else None),
             query_start_loc_t=b.query_start_loc.upload(reqs_out + 1),
             seq_lens_t=b.seq_lens.upload(reqs_out),
-            sample_mask=(num_computed + num_scheduled) >= num_all,
+            sample_mask=seq_lens >= num_all,
             graph_size=padded,
         )
         b.fence.record()
         return inputs
 
-    def _forward_pending(self, rows: np.ndarray, token_rows: np.ndarray, positions: np.ndarray, num_all: np.ndarray, num_known: np.ndarray):
-        """Device indices (input slot, row of ``last_sampled``) of tokens the host does not have yet.
+    def _forward_pending(self, token_req_rows: np.ndarray, positions: np.ndarray, token_known: np.ndarray, token_all: np.ndarray):
+        """Device indices (input slot, row of ``last_sampled``) of tokens the host does not have yet;
+        per token: its request's row, position, and the request's known and all token counts.
 
         Positions at or past ``num_tokens`` are speculative drafts, already in the host row.
         """
-        missing = np.nonzero((positions >= num_known[token_rows]) & (positions < num_all[token_rows]))[0]
+        missing = np.nonzero((positions >= token_known) & (positions < token_all))[0]
         if len(missing) == 0:
             return None
-        missing_rows = rows[token_rows[missing]]
+        missing_rows = token_req_rows[missing]
         src = self.pending_index[missing_rows]
         assert (self.pending_step[missing_rows] == self.last_step).all() and (
             positions[missing] == self.num_known[missing_rows]
