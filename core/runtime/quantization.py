@@ -55,6 +55,10 @@ class QuantConfig(Protocol):
 
     # Optional: ``verify_platform(platform)`` raises ValueError when ``platform`` (a
     # :class:`runtime.platforms.Platform`) cannot run this config; core calls it when present.
+    # Optional: ``gguf_packed_types`` (ggml type ids): a GGUF checkpoint's weights of this config's
+    # linear layers whose type is listed arrive as raw blocks, ``qweight_type`` (int64 []) then
+    # ``qweight`` (uint8 [out, bytes per row]); other types arrive the same way dequantized
+    # (type 0, F32, float32 [out, in]) with a log line naming the tensor.
 
 
 @runtime_checkable

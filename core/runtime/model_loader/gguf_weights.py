@@ -8,20 +8,36 @@ name -> llama.cpp name), its dequantizers, and transformers' per-architecture fi
 * yields one tensor at a time instead of holding a float32 copy of the whole model,
 * does not parse the file again (the config and tokenizer share one reader), and
 * builds gguf's name map once instead of once per submodule (seconds per model).
+
+With ``packed`` (the weight names of layers whose quant method keeps GGUF blocks, see
+:class:`runtime.quantization.QuantConfig`) those weights arrive as their raw blocks instead:
+``<module>.qweight_type`` (int64 [], the ggml type) then ``<module>.qweight`` (uint8
+[out, bytes per row]); a type outside ``packed_types`` arrives dequantized, as ggml type F32
+with float32 [out, in], and a log line names it.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import logging
+from collections.abc import Collection, Iterator
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+logger = logging.getLogger(__name__)
+F32 = 0  # ggml's type id of float32
+UNQUANTIZED = (0, 1, 30)  # F32, F16, BF16
 
-def gguf_weights(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hugging_face_name, float tensor)`` for each tensor of ``gguf_file``."""
+
+
+def gguf_weights(
+    gguf_file: str, hf_config, packed: Collection[str] = (), packed_types: Collection[int] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hugging_face_name, float tensor)`` for each tensor of ``gguf_file``; the weights
+    named in ``packed`` as raw blocks (``qweight_type``, ``qweight``) where their type is in
+    ``packed_types``."""
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
@@ -32,13 +48,25 @@ def gguf_weights(gguf_file: str, hf_config) -> Iterator[tuple[str, torch.Tensor]
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=hf_config.to_dict())
     name_map = gguf_to_hf_names(gguf_arch, hf_config, processor)
     for tensor in tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor"):
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        hf_name = name_map.get(tensor.name)
+        ggml_type = int(tensor.tensor_type)
+        keep = hf_name in packed and ggml_type in packed_types
+        # Raw blocks go through the same fix-ups: they only reorder whole rows (Llama's q/k).
+        weights = tensor.data if keep else dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(
             weights=weights, name=tensor.name, tensor_key_mapping=name_map, parsed_parameters={"tensors": {}}
         )
         if result.name not in name_map:  # e.g. llama.cpp's precomputed rope_freqs
             continue
-        yield name_map[result.name], torch.from_numpy(np.array(result.weights, copy=True))
+        out = torch.from_numpy(np.array(result.weights, copy=True))
+        if hf_name not in packed:
+            yield name_map[result.name], out
+            continue
+        if not keep and ggml_type not in UNQUANTIZED:
+            logger.warning("%s: ggml type %s is not kept packed; dequantized at load", hf_name, tensor.tensor_type.name)
+        module = hf_name.removesuffix(".weight")
+        yield f"{module}.qweight_type", torch.tensor(ggml_type if keep else F32)
+        yield f"{module}.qweight", out if keep else out.float()
 
 
 def gguf_to_hf_names(gguf_arch: str, hf_config, processor) -> dict[str, str]:

@@ -12,7 +12,13 @@ from torch import nn
 
 from runtime.config import LOAD_FORMATS
 from runtime.model_loader.resolve import ResolvedModel
-from runtime.models.quantize import process_quantized, quantize_linears, quantize_tied_head, quantized_layers
+from runtime.models.quantize import (
+    checkpoint_prefixes,
+    process_quantized,
+    quantize_linears,
+    quantize_tied_head,
+    quantized_layers,
+)
 from runtime.quantization import QuantConfig, detect_quant_method, hf_quantization_config
 
 DUMMY_STD = 0.02
@@ -43,7 +49,7 @@ def load_model(
             init_dummy_weights(model, seed)
         else:
             fmt = _weights_format(resolved, load_format)
-            loaded = model.load_weights(_weights(resolved, fmt))
+            loaded = model.load_weights(_weights(resolved, fmt, model, quant_config))
             _check_all_loaded(model, loaded, resolved.gguf_file or resolved.path)
         process_quantized(model)
         if quant_config is not None:
@@ -115,14 +121,25 @@ def _weights_format(resolved: ResolvedModel, load_format: str) -> str:
     return load_format
 
 
-def _weights(resolved: ResolvedModel, fmt: str):
+def _weights(resolved: ResolvedModel, fmt: str, model: nn.Module, quant_config: QuantConfig | None):
     if fmt == "gguf":
         from runtime.model_loader.gguf_weights import gguf_weights
 
-        return gguf_weights(resolved.gguf_file, resolved.hf_config)
+        packed_types = getattr(quant_config, "gguf_packed_types", ())
+        return gguf_weights(resolved.gguf_file, resolved.hf_config, _packed_names(model) if packed_types else (), packed_types)
     from runtime.model_loader.safetensors_weights import safetensors_weights
 
     return safetensors_weights(resolved.path)
+
+
+def _packed_names(model: nn.Module) -> frozenset[str]:
+    """The checkpoint weight names of the quantized layers (a fused layer's projections)."""
+    stacked = getattr(model, "stacked_params", {})
+    return frozenset(
+        f"{prefix}.weight"
+        for path, layer in quantized_layers(model).items()
+        for prefix in checkpoint_prefixes(path, layer, stacked)
+    )
 
 
 def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:

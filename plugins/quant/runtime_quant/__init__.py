@@ -10,6 +10,8 @@ Methods, registered through ``register_quant_methods``:
 - ``compressed-tensors``: checkpoints in its ``float-quantized`` / ``int-quantized`` formats,
   and ``pack-quantized`` (4/8-bit weights only).
 - ``gptq`` and ``awq``: 4/8-bit (AWQ: 4-bit) weight-only checkpoints, kept packed in memory.
+- ``gguf``: ``--quantization gguf`` keeps a GGUF file's linear weights in llama.cpp's blocks
+  (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) instead of dequantizing them at load.
 
 8-bit layers compute through :mod:`runtime_quant.kernels` (a dequantize-then-matmul
 reference, ``torch._int_mm`` for int8 on the CPU); weight-only ones through
@@ -47,3 +49,10 @@ def register_quant_methods(register):
     register("compressed-tensors", compressed_tensors_method, detect=compressed_tensors.detect)
     register("gptq", gptq_method, detect=gptq.detect)
     register("awq", awq_method, detect=awq.detect)
+
+    def gguf_method():
+        from runtime_quant.gguf import GgufMethod
+
+        return GgufMethod()
+
+    register("gguf", gguf_method)

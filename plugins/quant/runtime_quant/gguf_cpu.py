@@ -1,0 +1,116 @@
+"""GGUF layers on the CPU, their weights kept packed in memory.
+
+- :func:`int4_prepare` / :func:`int4_mm`: Q4_0, Q4_1 and Q4_K (4-bit codes, one scale and
+  offset per 32 inputs) in a 16-bit model become torch's int4 tiles
+  (``_weight_int4pack_mm_for_cpu``, groups of 32): ``w = (q - 8) * s + z`` with ``s`` the
+  block's scale and ``z = offset + s * (8 - zero)``, both rounded to the model's dtype. The
+  codes are exact; the scales are exact in float16 for Q4_0 (``d`` is a float16), otherwise
+  rounded once to the model dtype (as dequantizing at load rounds every weight). Above
+  :data:`INT4_MAX_ROWS` rows (prefill) the tiles are dequantized a slice at a time into the
+  model's dtype and multiplied densely, which torch does faster than its int4 kernel there.
+- :func:`sliced_mm`: every other type, and float32 models: the raw blocks stay as stored and
+  :data:`CHUNK_ROWS` output rows at a time are dequantized (gguf-py's float32 values) into the
+  activations' dtype for a dense matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime_quant.gguf_blocks import BlockType, decode, dequantize
+
+CHUNK_ROWS = 256  # output rows dequantized at a time by the sliced path
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT4_GROUP = 32
+INT4_MAX_ROWS = 128  # more rows than this: dequantize the tiles slice by slice and multiply densely
+TILE_ROWS = 64  # torch's CPU int4 tiles interleave 64 output rows (see _tile_codes)
+
+
+def int4_supports(t: BlockType, rows: int, dtype: torch.dtype) -> bool:
+    return (
+        t.name in INT4_TYPES
+        and dtype in (torch.bfloat16, torch.float16)
+        and rows % 16 == 0  # torch packs tiles of 16 output rows
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    )
+
+
+class Int4Part:
+    """A run of output rows in torch's int4 tiles: ``tiles`` uint8 [rows, in / 2] and
+    ``scales_and_zeros`` [in / 32, rows, 2] in the model's dtype."""
+
+    def __init__(self, raw: torch.Tensor, t: BlockType, dtype: torch.dtype):
+        codes, scale, offset = decode(raw, t)  # [rows, in] uint8, [rows, in / 32] float32 x2
+        zeros = scale * (8 - t.zero) + (offset if offset is not None else 0)
+        self.tiles = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        self.scales_and_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        self.rows, self.in_features = raw.shape[0], codes.shape[1]
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {"tiles": self.tiles, "scales_and_zeros": self.scales_and_zeros}
+
+    def nbytes(self) -> int:
+        return self.tiles.nbytes + self.scales_and_zeros.nbytes
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        sz = self.scales_and_zeros if x.dtype == self.scales_and_zeros.dtype else self.scales_and_zeros.to(x.dtype)
+        if x.shape[0] <= INT4_MAX_ROWS or self.rows % TILE_ROWS:
+            out.copy_(torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.tiles, INT4_GROUP, sz))
+            return
+        step = CHUNK_ROWS // TILE_ROWS * TILE_ROWS
+        for r0 in range(0, self.rows, step):
+            r1 = min(r0 + step, self.rows)
+            torch.matmul(x, self._dequantized(r0, r1, sz).t(), out=out[:, r0:r1])
+
+    def _dequantized(self, r0: int, r1: int, sz: torch.Tensor) -> torch.Tensor:
+        """Rows ``r0 .. r1`` (multiples of 64) of the weight [rows, in] in ``sz``'s dtype."""
+        k = self.in_features
+        tiles = self.tiles[r0:r1].view(-1, k, 32)  # [blocks of 64 rows, in, 32]
+        codes = torch.stack([tiles & 15, tiles >> 4], dim=1)  # [blocks, 2, in, 32]: row 64b + 32h + j
+        codes = codes.permute(0, 1, 3, 2).reshape(r1 - r0, k // INT4_GROUP, INT4_GROUP)
+        scale, zero = sz[:, r0:r1, 0].t()[..., None], sz[:, r0:r1, 1].t()[..., None]  # [rows, groups, 1]
+        return ((codes.to(sz.dtype) - 8) * scale + zero).view(r1 - r0, k)
+
+
+class SlicedPart:
+    """A run of output rows kept as llama.cpp's raw blocks, dequantized a slice at a time."""
+
+    def __init__(self, raw: torch.Tensor, t: BlockType):
+        self.raw, self.type = raw.contiguous(), t
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {"qweight": self.raw}
+
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        for r0 in range(0, self.raw.shape[0], CHUNK_ROWS):
+            w = dequantize(self.raw[r0 : r0 + CHUNK_ROWS], self.type, x.dtype)
+            torch.matmul(x, w.t(), out=out[:, r0 : r0 + w.shape[0]])
+
+
+class DensePart:
+    """Rows that arrived dequantized (an unquantized or unsupported ggml type)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.contiguous()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        torch.matmul(x, w.t(), out=out)
+
+
+def cpu_part(raw: torch.Tensor, t: BlockType | None, dtype: torch.dtype):
+    """The CPU form of a run of rows: ``t`` None means ``raw`` is already a float weight."""
+    if t is None:
+        return DensePart(raw.to(dtype))
+    if int4_supports(t, raw.shape[0], dtype):
+        return Int4Part(raw, t, dtype)
+    return SlicedPart(raw, t)
