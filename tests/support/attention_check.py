@@ -41,15 +41,15 @@ def naive_attention(q, k, v, q_positions, spec: AttentionLayerSpec) -> torch.Ten
     return out
 
 
-def build_batch(spec: AttentionLayerSpec, seed: int):
-    """Random cache contents, new q/k/v and metadata for ``REQUESTS``."""
+def build_batch(spec: AttentionLayerSpec, seed: int, requests=REQUESTS):
+    """Random cache contents, new q/k/v and metadata for ``requests`` (tokens cached, new tokens)."""
     gen = torch.Generator().manual_seed(seed)
     free = list(range(NUM_BLOCKS))
     random.Random(seed).shuffle(free)
     kv_cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, HEAD_SIZE)
     flat = kv_cache.view(2, -1, spec.num_kv_heads, HEAD_SIZE)
     tables, full_k, full_v, slots = [], [], [], []
-    for context, q_len in REQUESTS:
+    for context, q_len in requests:
         seq_len = context + q_len
         blocks = [free.pop() for _ in range(math.ceil(seq_len / BLOCK_SIZE))]
         req_slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
@@ -61,12 +61,12 @@ def build_batch(spec: AttentionLayerSpec, seed: int):
         full_k.append(k)
         full_v.append(v)
         slots.extend(req_slots[context:])
-    q_lens = [q for _, q in REQUESTS]
-    seq_lens = [c + q for c, q in REQUESTS]
+    q_lens = [q for _, q in requests]
+    seq_lens = [c + q for c, q in requests]
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     width = max(len(t) for t in tables)
     metadata = AttentionMetadata(
-        num_reqs=len(REQUESTS),
+        num_reqs=len(requests),
         num_tokens=int(qsl[-1]),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
@@ -82,20 +82,21 @@ def build_batch(spec: AttentionLayerSpec, seed: int):
     return kv_cache, metadata, query, full_k, full_v
 
 
-def check_matches_naive_attention(backend, layer_shape: tuple, prebuilt: bool) -> None:
-    """``backend.forward`` equals naive attention for every request, and wrote the step's keys and values."""
+def check_matches_naive_attention(backend, layer_shape: tuple, prebuilt: bool, requests=REQUESTS, attend=None) -> None:
+    """``backend.forward`` (or ``attend(spec, query, key, value, kv_cache, metadata)``) equals naive
+    attention for every request, and wrote the step's keys and values."""
     num_heads, num_kv_heads, window, soft_cap = layer_shape
     spec = AttentionLayerSpec(0, num_heads, num_kv_heads, HEAD_SIZE, HEAD_SIZE**-0.5, window, soft_cap)
-    kv_cache, metadata, query, full_k, full_v = build_batch(spec, seed=num_heads * 10 + (window or 0))
+    kv_cache, metadata, query, full_k, full_v = build_batch(spec, seed=num_heads * 10 + (window or 0), requests=requests)
     if prebuilt:
         metadata = backend.build_metadata(metadata)
-    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, REQUESTS)])
-    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, REQUESTS)])
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)])
 
-    out = backend.forward(spec, query, new_k, new_v, kv_cache, metadata)
+    out = (attend or backend.forward)(spec, query, new_k, new_v, kv_cache, metadata)
 
     start = 0
-    for (context, q_len), k, v in zip(REQUESTS, full_k, full_v):
+    for (context, q_len), k, v in zip(requests, full_k, full_v):
         q = query[start : start + q_len]
         expected = naive_attention(q, k, v, list(range(context, context + q_len)), spec)
         torch.testing.assert_close(out[start : start + q_len], expected, atol=1e-5, rtol=1e-5)

@@ -36,6 +36,7 @@ class AttentionMetadata:
     seq_lens_cpu: np.ndarray  # [num_reqs] int32
     block_size: int
     backend_data: Any = None  # whatever the backend's build_metadata added
+    traced: Any = None  # a compiled decode step's inputs for the backend's traced_decode (runtime.models.attention_op)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,11 @@ class AttentionBackend(Protocol):
     capture in a CUDA graph) and ``supports_fp8_kv_cache`` (reads and writes caches of
     ``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``; keys and values are stored
     unscaled and attended in the query's dtype).
+
+    Optional methods for platforms that compile decode steps (``compiles_graphs``): a
+    backend with ``traced_decode_inputs(metadata)`` and ``traced_decode(layer, query, key,
+    value, kv_cache, inputs)`` has its decode attention traced into the compiled step
+    instead of called as an opaque op (:mod:`runtime.models.attention_op`).
     """
 
     name: str

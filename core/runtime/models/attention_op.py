@@ -10,6 +10,15 @@ compiled code fuses the norms, rotary embedding, activations and residual adds a
 
 The layer's spec travels as plain arguments (the compiler bakes them into the graph);
 the KV cache and the step's metadata come from the forward context at run time.
+
+A backend can do better than an opaque call: one whose ``traced_decode_inputs`` gives a
+decode step's metadata as a few tensors (``AttentionMetadata.traced``, sizes marked
+dynamic) has its ``traced_decode`` -- plain torch ops writing the cache and attending --
+traced into the compiled step, so the compiler fuses the block gathers, the softmax and
+the cache writes into its own loops and no Python runs per layer (on the CPU that op's
+Python and dispatch were about half of a batch-1 step's attention time). The choice is
+made once, when the step is traced: such a backend gives the inputs for every compiled
+step of its engine, or for none.
 """
 
 from __future__ import annotations
@@ -55,7 +64,11 @@ def _(query, key, value, cache_index, layer_idx, scale, sliding_window, logits_s
 
 
 def compiled_attention(spec: AttentionLayerSpec, cache_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``paged_attention`` for a layer of ``spec`` (what :class:`Attention` calls while compiled)."""
+    """Attention of a layer of ``spec`` while compiled (what :class:`Attention` calls): the
+    backend's traced decode when the step has its inputs, else the ``paged_attention`` op."""
+    ctx = get_forward_context()
+    if ctx.metadata.traced is not None:
+        return ctx.backend.traced_decode(spec, q, k, v, ctx.kv_caches[cache_index], ctx.metadata.traced)
     return torch.ops.runtime.paged_attention(
         q, k, v, cache_index, spec.layer_idx, spec.scale, spec.sliding_window, spec.logits_soft_cap
     )

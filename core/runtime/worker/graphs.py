@@ -20,7 +20,7 @@ the forward is compiled once (``platform.compile_model``, e.g. ``torch.compile``
 symbolic batch size), warmed at batch sizes 1 and 2 so that start-up compiles whatever the
 platform specializes, and a decode step of any size up to the largest runs it on exactly
 its own tokens (no padding), with the attention backend run eagerly inside it on the
-step's host metadata (:mod:`runtime.models.attention_op`).
+step's host metadata, or traced into it (:mod:`runtime.models.attention_op`).
 """
 
 from __future__ import annotations
@@ -201,6 +201,9 @@ class DecodeGraphs:
             block_size=self.block_size,
         )
         metadata = self.backend.build_metadata(metadata)
+        traced_inputs = getattr(self.backend, "traced_decode_inputs", None)  # runtime.models.attention_op
+        if traced_inputs is not None:
+            metadata.traced = traced_inputs(metadata)
         with set_forward_context(self.backend, metadata, self.kv_caches):
             return (forward or self.compiled)(b.input_ids.dev[:size], b.positions.dev[:size])
 

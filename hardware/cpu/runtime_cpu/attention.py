@@ -11,6 +11,11 @@ The buckets depend only on the batch layout and the window size, so they are bui
 per step and window and shared by all layers. A single bucket holding every decode row in
 order (batch 1, the compiled decode path's usual case) is attended without gathering and
 scattering its rows.
+
+Compiled decode steps (``runtime_cpu.compile``) trace :meth:`CPUPagedAttentionBackend.traced_decode`
+instead: the cache write, the block gather and the attention as plain tensor ops over the
+step's block table, which inductor turns into a few C++ loops per layer (every row reads
+its whole table width, shorter rows masked).
 """
 
 from __future__ import annotations
@@ -39,10 +44,67 @@ class DecodeBucket:
     valid: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] bool, None when all keys count
 
 
+@dataclass(slots=True)
+class TracedDecodeInputs:
+    """A compiled decode step's metadata as tensors; every size is dynamic (unbacked)."""
+
+    slots: torch.Tensor  # [n] int64, the cache slot of each row's new token
+    block_table: torch.Tensor  # [n, width] int64, each row's blocks (columns past its last: any valid id)
+    seq_lens: torch.Tensor  # [n] int64, each row's KV length after this step
+
+
 class CPUPagedAttentionBackend(SdpaAttentionBackend):
     """Attention backend for the ``cpu`` platform (see the module docstring)."""
 
     name = "cpu_paged"
+
+    def traced_decode_inputs(self, metadata) -> TracedDecodeInputs:
+        data: SdpaStepData = metadata.backend_data
+        # A fresh row-major copy with at least two columns: the compiled code takes the row
+        # stride as the width (a view's row stride is its buffer's), and a width of 1 would be specialized.
+        source = data.decode_block_table
+        table = torch.empty((source.shape[0], max(2, source.shape[1])), dtype=source.dtype, device=source.device)
+        table.copy_(source)  # one column broadcasts into both
+        inputs = TracedDecodeInputs(metadata.slot_mapping, table, torch.from_numpy(data.decode_seq_lens))
+        mark_unbacked = torch._dynamo.decorators.mark_unbacked  # one compiled step serves every size
+        for tensor in (inputs.slots, inputs.block_table, inputs.seq_lens):
+            mark_unbacked(tensor, 0)
+        mark_unbacked(inputs.block_table, 1)
+        return inputs
+
+    def traced_decode(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [n, num_heads, head_size]
+        key: torch.Tensor,  # [n, num_kv_heads, head_size]
+        value: torch.Tensor,  # [n, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        inputs: TracedDecodeInputs,
+    ) -> torch.Tensor:
+        """A decode step's attention as traceable tensor ops (compiled steps only): ``[n, num_heads, head_size]``."""
+        n, kv_heads, head = query.shape[0], layer.num_kv_heads, layer.head_size
+        for tensor in (inputs.slots, inputs.block_table, inputs.seq_lens):
+            torch._check(tensor.shape[0] == n)  # the same rows: lets the compiler equate the sizes
+        kv_cache.view(2, -1, kv_heads, head).index_put_(
+            (torch.arange(2, device=query.device)[:, None], inputs.slots[None, :]), torch.stack([key, value]).to(kv_cache.dtype)
+        )
+        # [n, kv_heads, num_keys, head] in float32: keys and values of each row's blocks.
+        k = kv_cache[0][inputs.block_table].flatten(1, 2).transpose(1, 2).float()
+        v = kv_cache[1][inputs.block_table].flatten(1, 2).transpose(1, 2).float()
+        q = query.view(n, kv_heads, -1, 1, head).float() * layer.scale  # [n, kv_heads, group, 1, head]
+        scores = (q * k[:, :, None]).sum(-1)  # [n, kv_heads, group, num_keys]
+        if layer.logits_soft_cap is not None:
+            scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
+        positions = torch.arange(k.shape[2], device=query.device)
+        lens = inputs.seq_lens[:, None]
+        visible = positions < lens
+        if layer.sliding_window is not None:
+            visible &= positions >= lens - layer.sliding_window
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        # Softmax with the division after the weighted sum: once per output, not per key.
+        weights = (scores - scores.amax(-1, keepdim=True)).exp()
+        out = (weights[..., None] * v[:, :, None]).sum(-2) / weights.sum(-1)[..., None]  # [n, kv_heads, group, head]
+        return out.reshape(n, layer.num_heads, head).to(query.dtype)
 
     def decode(
         self,
