@@ -8,9 +8,9 @@
   rounded once to the model dtype (as dequantizing at load rounds every weight). Above
   :data:`INT4_MAX_ROWS` rows (prefill) the tiles are dequantized a slice at a time into the
   model's dtype and multiplied densely, which torch does faster than its int4 kernel there.
-- :func:`sliced_mm`: every other type, and float32 models: the raw blocks stay as stored and
-  :data:`CHUNK_ROWS` output rows at a time are dequantized (gguf-py's float32 values) into the
-  activations' dtype for a dense matmul.
+- :class:`SlicedPart`: every other type, and float32 models: the raw blocks stay as stored and
+  are dequantized (gguf-py's float32 values) a few rows at a time into the activations' dtype
+  for a dense matmul, at each call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from runtime_quant.gguf_blocks import BlockType, decode, dequantize
 
-CHUNK_ROWS = 256  # output rows dequantized at a time by the sliced path
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: smaller elementwise ops are not split over threads
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT4_GROUP = 32
 INT4_MAX_ROWS = 128  # more rows than this: dequantize the tiles slice by slice and multiply densely
@@ -57,10 +57,10 @@ class Int4Part:
         if x.shape[0] <= INT4_MAX_ROWS or self.rows % TILE_ROWS:
             out.copy_(torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.tiles, INT4_GROUP, sz))
             return
-        step = CHUNK_ROWS // TILE_ROWS * TILE_ROWS
-        for r0 in range(0, self.rows, step):
-            r1 = min(r0 + step, self.rows)
-            torch.matmul(x, self._dequantized(r0, r1, sz).t(), out=out[:, r0:r1])
+        w = torch.empty(self.rows, self.in_features, dtype=x.dtype)
+        for r0 in range(0, self.rows, TILE_ROWS):  # a tile's ops run inline (see SlicedPart)
+            w[r0 : r0 + TILE_ROWS] = self._dequantized(r0, r0 + TILE_ROWS, sz)
+        torch.matmul(x, w.t(), out=out)
 
     def _dequantized(self, r0: int, r1: int, sz: torch.Tensor) -> torch.Tensor:
         """Rows ``r0 .. r1`` (multiples of 64) of the weight [rows, in] in ``sz``'s dtype."""
@@ -73,7 +73,13 @@ class Int4Part:
 
 
 class SlicedPart:
-    """A run of output rows kept as llama.cpp's raw blocks, dequantized a slice at a time."""
+    """A run of output rows kept as llama.cpp's raw blocks, dequantized for each call.
+
+    The rows are dequantized :func:`chunk_rows` at a time, each chunk's tensors under torch's
+    parallel grain size so that its dozen small ops run on the calling thread: on this shared
+    2-core machine an op handed to OpenMP's two threads waits ~8 ms whenever another job holds a
+    core. The whole weight then goes through one (threaded) matmul.
+    """
 
     def __init__(self, raw: torch.Tensor, t: BlockType):
         self.raw, self.type = raw.contiguous(), t
@@ -85,9 +91,17 @@ class SlicedPart:
         return self.raw.nbytes
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        for r0 in range(0, self.raw.shape[0], CHUNK_ROWS):
-            w = dequantize(self.raw[r0 : r0 + CHUNK_ROWS], self.type, x.dtype)
-            torch.matmul(x, w.t(), out=out[:, r0 : r0 + w.shape[0]])
+        rows, k = self.raw.shape[0], x.shape[1]
+        w = torch.empty(rows, k, dtype=x.dtype)
+        step = chunk_rows(k)
+        for r0 in range(0, rows, step):
+            w[r0 : r0 + step] = dequantize(self.raw[r0 : r0 + step], self.type, x.dtype)
+        torch.matmul(x, w.t(), out=out)
+
+
+def chunk_rows(in_features: int) -> int:
+    """Rows whose float weights stay under torch's grain size (32768 elements: ops run inline)."""
+    return max(1, GRAIN_SIZE // in_features)
 
 
 class DensePart:

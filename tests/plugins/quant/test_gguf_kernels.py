@@ -1,0 +1,130 @@
+"""The ``gguf`` method's kernels against gguf-py's ``dequantize`` (llama.cpp's reference) then a matmul.
+
+Random blocks of every kept type (random bytes, with valid float16 scales): the torch block
+decoder must give gguf-py's weights bit for bit; the Triton GEMV (1-4 rows) and GEMM (more),
+run by Triton's interpreter on the CPU (small shapes: a few seconds) or compiled on a GPU, and
+the CPU parts (torch's int4 tiles, the sliced dequantize) must give ``x @ W.T``. The gpu-marked
+test takes the Llama-3.1-8B shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime_quant.gguf_blocks import BLOCK_TYPES, BY_NAME, BlockType, dequantize
+from runtime_quant.gguf_cpu import INT4_MAX_ROWS, Int4Part, SlicedPart, cpu_part
+
+TYPES = [t.name for t in BLOCK_TYPES.values()]
+LLAMA_8B_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)
+
+
+def random_blocks(t: BlockType, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
+    """uint8 [rows, row bytes]: random codes and scale bytes, float16 fields set to small normals."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, in_features // t.block, t.nbytes), dtype=np.uint8)
+
+    def halves(n: int) -> np.ndarray:
+        return (rng.standard_normal((rows, in_features // t.block, n)) * 0.01).astype(np.float16).view(np.uint8)
+
+    if t.name in ("Q4_1", "Q4_K", "Q5_K"):
+        raw[..., 0:4] = halves(2)  # d and m / dmin
+    elif t.name == "Q6_K":
+        raw[..., 208:210] = halves(1)
+    else:
+        raw[..., 0:2] = halves(1)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, t: BlockType) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, dequantize as gguf_dequantize
+
+    return torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType(t.ggml)).copy())
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_block_decoder_matches_gguf_py_bit_for_bit(name):
+    t = BY_NAME[name]
+    raw = random_blocks(t, 8, 512)
+    assert torch.equal(dequantize(torch.from_numpy(raw), t), reference(raw, t))
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rtol: float) -> None:
+    expected = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float().cpu(), expected.cpu(), atol=rtol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_triton_gemv_and_gemm(name, kernel_device):
+    from runtime_quant.gguf_gpu import gguf_gemm, gguf_gemv, gguf_matmul
+
+    t = BY_NAME[name]
+    n, k = 40, 512  # N not a multiple of the column block; two K splits in the GEMV
+    raw = random_blocks(t, n, k, seed=1)
+    w = reference(raw, t)
+    qweight = torch.from_numpy(raw).to(kernel_device)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(n, generator=gen).to(kernel_device)
+    for rows in (1, 3):
+        x = torch.randn(rows, k, generator=gen).to(kernel_device)
+        _check(gguf_gemv(qweight, t, x, bias), x, w, bias, 1e-5)
+    x = torch.randn(5, k, generator=gen).to(kernel_device)
+    _check(gguf_gemm(qweight, t, x, None), x, w, None, 1e-5)
+    out = torch.zeros(5, n + 8, device=kernel_device)  # into a column slice of a wider output
+    gguf_matmul(qweight, t, x, None, out[:, 4 : 4 + n])
+    _check(out[:, 4 : 4 + n], x, w, None, 1e-5)
+    assert out[:, :4].abs().sum() == 0 and out[:, 4 + n :].abs().sum() == 0
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_cpu_sliced_part(name):
+    t = BY_NAME[name]
+    raw = random_blocks(t, 300, 256, seed=3)  # two slices of output rows, one short
+    part = cpu_part(torch.from_numpy(raw), t, torch.float32)
+    assert isinstance(part, SlicedPart) and part.nbytes() == raw.nbytes  # kept as stored
+    x = torch.randn(3, 256)
+    out = torch.empty(3, 300)
+    part.matmul(x, out)
+    _check(out, x, reference(raw, t), None, 1e-5)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("rows", [1, INT4_MAX_ROWS + 3])  # torch's int4 kernel, then the tiles dequantized
+def test_cpu_int4_part(name, rows):
+    t = BY_NAME[name]
+    raw = random_blocks(t, 320, 512, seed=4)
+    part = cpu_part(torch.from_numpy(raw), t, torch.bfloat16)
+    assert isinstance(part, Int4Part)
+    assert part.nbytes() < raw.nbytes * 1.2  # 4-bit codes and a 16-bit scale and offset per 32 inputs
+    x = torch.randn(rows, 512).bfloat16()
+    out = torch.empty(rows, 320, dtype=torch.bfloat16)
+    part.matmul(x, out)
+    _check(out, x, reference(raw, t), None, 0.02)  # bf16 scales and sums
+
+
+def test_16_bit_models_keep_other_types_as_blocks():
+    raw = torch.from_numpy(random_blocks(BY_NAME["Q6_K"], 32, 256))
+    assert isinstance(cpu_part(raw, BY_NAME["Q6_K"], torch.bfloat16), SlicedPart)
+    assert isinstance(cpu_part(torch.from_numpy(random_blocks(BY_NAME["Q4_0"], 24, 256)), BY_NAME["Q4_0"], torch.bfloat16),
+                      SlicedPart)  # 24 rows: not whole int4 tiles of 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", TYPES)
+def test_triton_kernels_on_llama_8b_shapes(name):
+    from runtime_quant.gguf_gpu import gguf_matmul
+
+    if not torch.cuda.is_available():
+        pytest.fail("needs a CUDA GPU")
+    t = BY_NAME[name]
+    for in_features, out_features in LLAMA_8B_SHAPES:
+        raw = torch.from_numpy(random_blocks(t, out_features, in_features, seed=in_features + out_features)).cuda()
+        w = dequantize(raw, t)  # gguf-py's values (the decoder is checked against it above)
+        for rows in (1, 4, 16, 128):
+            x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)
+            out = gguf_matmul(raw, t, x, None)
+            _check(out, x, w, None, 0.01)  # bf16 products (tensor cores) and output
+            x32 = x.float()
+            _check(gguf_matmul(raw, t, x32, None), x32, w, None, 1e-4)
