@@ -25,6 +25,15 @@ class Staged:
 
     tensors: list[torch.Tensor]  # per layer [num blocks, ...]
     num_tokens: int
+    released_at_pull = True  # the prefill instance was told it may free the blocks when the pull ended
+
+    def load_entry(self, block_ids: list[int], first: int, num_blocks: int):
+        """The worker's load of blocks ``first:num_blocks`` into ``block_ids`` (the admitted request's)."""
+        return block_ids[first:num_blocks], [t[first:num_blocks] for t in self.tensors]
+
+    def stale_reason(self) -> str | None:
+        """Why the staged blocks may no longer be loaded (None: they may)."""
+        return None
 
 
 class Puller:
@@ -56,10 +65,19 @@ class Puller:
             result = f"KV transfer failed: {type(exc).__name__}: {exc}"
         if isinstance(result, str):
             logger.warning("request %s: %s", request_id, result)
-        self.notify_pulled(params)  # on failure too: the prefill instance may free the blocks
+        if not isinstance(result, Staged) or result.released_at_pull:
+            self.notify_pulled(params)  # on failure too: the prefill instance may free the blocks
         self.ended.append((request_id, result))
 
     def pull(self, params: dict) -> Staged:
+        header, frames = self.exchange(params)
+        reply = decode_reply(header.buffer)
+        if reply.error:
+            raise TransferError(reply.error)
+        return Staged(unpack_blocks(reply, frames, len(params["remote_block_ids"])), int(params["num_remote_tokens"]))
+
+    def exchange(self, params: dict) -> tuple:
+        """Send the pull of ``params``' blocks to the prefill instance: its answer (header, further frames)."""
         block_ids = list(params["remote_block_ids"])
         address = f"tcp://{params['remote_host']}:{int(params['remote_port'])}"
         socket = self.context.socket(zmq.DEALER)
@@ -72,22 +90,11 @@ class Puller:
             header, *frames = socket.recv_multipart(copy=False)
         finally:
             socket.close()
-        reply = decode_reply(header.buffer)
-        if reply.error:
-            raise TransferError(reply.error)
-        return Staged(unpack_blocks(reply, frames, len(block_ids)), int(params["num_remote_tokens"]))
+        return header, frames
 
     def notify_pulled(self, params: dict) -> None:
         """Tell the prefill instance it may free the request's blocks (best effort)."""
-        socket = self.context.socket(zmq.PUSH)
-        socket.linger = NOTICE_LINGER_MS
-        try:
-            socket.connect(f"tcp://{params['remote_host']}:{int(params['remote_port']) + 1}")
-            socket.send(encode(Pulled(str(params["remote_engine_id"]), str(params["remote_request_id"]))), zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("could not tell the prefill instance that request %s was pulled: %s", params["remote_request_id"], exc)
-        finally:
-            socket.close()
+        send_pulled(self.context, params)
 
     def cancel(self, params: dict) -> None:
         """A request that never pulled ended (aborted): free its blocks on the prefill instance."""
@@ -95,3 +102,17 @@ class Puller:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def send_pulled(context: zmq.Context, params: dict) -> None:
+    """Tell the prefill instance named by ``params`` (a request's kv_transfer_params) that it may free
+    the request's blocks (best effort)."""
+    socket = context.socket(zmq.PUSH)
+    socket.linger = NOTICE_LINGER_MS
+    try:
+        socket.connect(f"tcp://{params['remote_host']}:{int(params['remote_port']) + 1}")
+        socket.send(encode(Pulled(str(params["remote_engine_id"]), str(params["remote_request_id"]))), zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        logger.warning("could not tell the prefill instance that request %s was pulled: %s", params["remote_request_id"], exc)
+    finally:
+        socket.close()

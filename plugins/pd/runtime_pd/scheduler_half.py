@@ -13,6 +13,7 @@ step that admits it writes them into its new blocks before its forward pass.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from runtime_pd.lease import Leases
 from runtime_pd.puller import Puller, Staged
 from runtime_pd.settings import layout_key, prompt_digest, settings_of, transfer_params
 
+logger = logging.getLogger(__name__)
+
 _PULLING, _DONE = "pulling", "done"  # pull states besides Staged blocks
 
 
@@ -30,7 +33,8 @@ _PULLING, _DONE = "pulling", "done"  # pull states besides Staged blocks
 class PDMetadata(KVConnectorMetadata):
     leases: dict[str, list[int]] = field(default_factory=dict)  # request id -> block ids now served
     unleases: list[str] = field(default_factory=list)  # requests whose blocks are no longer served
-    loads: list[tuple[list[int], list]] = field(default_factory=list)  # (block ids, per-layer tensors) to write
+    loads: list = field(default_factory=list)  # what to write: Staged.load_entry's (block ids, per-layer tensors)
+    lease_deadlines: dict[str, float] = field(default_factory=dict)  # request id -> time.monotonic() its lease ends
 
     @property
     def is_empty(self) -> bool:
@@ -45,9 +49,13 @@ class TcpConnectorScheduler:
         self.engine_id = str((config.cache_config.kv_transfer_config or {}).get("engine_id") or uuid.uuid4())
         self.metadata = PDMetadata()
         self.leases = Leases(self.engine_id, s.lease_s, f"tcp://{s.host}:{s.control_port}") if s.is_producer else None
-        self.puller = Puller(self.layout, s.pull_timeout_s, s.checksum) if s.is_consumer else None
+        self.puller = self.make_puller() if s.is_consumer else None
         self.pulls: dict[str, object] = {}  # request id -> _PULLING, Staged, _DONE, or why it failed
         self.num_failed_pulls = 0
+
+    def make_puller(self) -> Puller:
+        """The decode side's puller (a connector whose blocks travel otherwise returns its own)."""
+        return Puller(self.layout, self.settings.pull_timeout_s, self.settings.checksum)
 
     # ---------------------------------------------------------------- decode side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -68,7 +76,10 @@ class TcpConnectorScheduler:
         if state is _PULLING:
             return 0, True
         if isinstance(state, Staged) and state.num_tokens > num_computed_tokens:
-            return state.num_tokens - num_computed_tokens, False
+            why = state.stale_reason()
+            if why is None:
+                return state.num_tokens - num_computed_tokens, False
+            self._drop(request, state, why)
         return 0, False  # the device cache holds them, they were loaded, or the pull failed: compute
 
     def _check(self, request, params: dict) -> str | None:
@@ -83,6 +94,19 @@ class TcpConnectorScheduler:
         if num_tokens >= request.num_prompt_tokens or prompt_digest(request.prompt_token_ids[:num_tokens]) != params.get("prompt_digest"):
             return "the prompt differs from the one the prefill instance computed"
         return None
+
+    def _drop(self, request, state, why: str) -> None:
+        """The staged blocks of ``request`` are not used: it computes its prompt here."""
+        logger.warning("request %s: %s; computing its prompt here", request.request_id, why)
+        self.pulls[request.request_id] = why
+        self.num_failed_pulls += 1
+        self._release(request, state)
+
+    def _release(self, request, state) -> None:
+        """Free the prefill instance's blocks of a staged pull that will not be loaded (unless done already)."""
+        params = transfer_params(request)
+        if isinstance(state, Staged) and not state.released_at_pull and params:
+            self.puller.cancel(params)
 
     def get_finished_recving(self) -> dict[str, str | None]:
         """Requests whose pulls ended: None when they may run (the blocks, or a local recompute),
@@ -108,7 +132,9 @@ class TcpConnectorScheduler:
         if num_external_tokens:
             num_blocks = state.num_tokens // self.block_size
             first = num_blocks - num_external_tokens // self.block_size
-            self.metadata.loads.append((block_ids[first:num_blocks], [t[first:num_blocks] for t in state.tensors]))
+            self.metadata.loads.append(state.load_entry(block_ids, first, num_blocks))
+        else:
+            self._release(request, state)  # the device prefix cache held them all
 
     # ---------------------------------------------------------------- prefill side
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -116,6 +142,8 @@ class TcpConnectorScheduler:
         state = self.pulls.pop(request.request_id, None)
         if state is None and params and params.get("do_remote_prefill") and self.puller is not None:
             self.puller.cancel(params)  # never pulled: free the prefill instance's blocks now
+        elif isinstance(state, Staged):
+            self._release(request, state)  # pulled but never loaded (aborted)
         if self.leases is None or not params or not params.get("do_remote_decode"):
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED:
@@ -133,6 +161,7 @@ class TcpConnectorScheduler:
             return False, out
         self.leases.add(request.request_id)
         self.metadata.leases[request.request_id] = block_ids[:num_blocks]
+        self.metadata.lease_deadlines[request.request_id] = self.leases.deadlines[request.request_id]
         return True, out
 
     def get_finished_sending(self) -> set[str]:
@@ -142,6 +171,7 @@ class TcpConnectorScheduler:
         ended = self.leases.take_ended()
         for request_id in ended:
             self.metadata.leases.pop(request_id, None)
+            self.metadata.lease_deadlines.pop(request_id, None)
             self.metadata.unleases.append(request_id)
         return ended
 

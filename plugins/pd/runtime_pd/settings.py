@@ -1,4 +1,4 @@
-"""The TcpConnector's settings, read from ``--kv-transfer-config`` (vLLM's JSON spelling)."""
+"""The P/D connectors' settings, read from ``--kv-transfer-config`` (vLLM's JSON spelling)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from runtime.kv_transfer import check_extra_keys
 DEFAULT_PORT = 14579  # vLLM's default kv_port
 FAILURE_MODES = ("recompute", "fail")
 EXTRA_KEYS = ("lease_s", "pull_timeout_s", "on_transfer_failure", "checksum")
+# the kv_connector_extra_config keys each connector reads (the CudaIpcConnector's copies stay on the GPUs: no checksum)
+CONNECTOR_EXTRA_KEYS = {"TcpConnector": EXTRA_KEYS, "CudaIpcConnector": ("lease_s", "pull_timeout_s", "on_transfer_failure")}
 
 
 @dataclass(frozen=True)
@@ -38,21 +40,22 @@ class PDSettings:
 def settings_of(config) -> PDSettings:
     """The settings of ``config`` (an EngineConfig); errors name the bad key or value."""
     raw = config.cache_config.kv_transfer_config or {}
+    name = str(raw.get("kv_connector") or "TcpConnector")
     extra = dict(raw.get("kv_connector_extra_config") or {})
-    check_extra_keys("TcpConnector", extra, EXTRA_KEYS)
+    check_extra_keys(name, extra, CONNECTOR_EXTRA_KEYS.get(name, EXTRA_KEYS))
     mode = extra.get("on_transfer_failure", "recompute")
     if mode not in FAILURE_MODES:
-        raise ValueError(f"TcpConnector: on_transfer_failure {mode!r} is not valid; choose one of: {', '.join(FAILURE_MODES)}")
+        raise ValueError(f"{name}: on_transfer_failure {mode!r} is not valid; choose one of: {', '.join(FAILURE_MODES)}")
     port = int(raw.get("kv_port") or DEFAULT_PORT)
     if not 0 < port < 65535:
-        raise ValueError(f"TcpConnector: kv_port {port} is not a valid TCP port (it also uses kv_port + 1)")
+        raise ValueError(f"{name}: kv_port {port} is not a valid TCP port (it also uses kv_port + 1)")
     settings = PDSettings(
         role=raw.get("kv_role", "kv_both"), host=str(raw.get("kv_ip") or "127.0.0.1"), port=port,
         lease_s=float(extra.get("lease_s", 120.0)), pull_timeout_s=float(extra.get("pull_timeout_s", 10.0)),
         on_transfer_failure=mode, checksum=bool(extra.get("checksum", True)),
     )
     if settings.lease_s <= 0 or settings.pull_timeout_s <= 0:
-        raise ValueError(f"TcpConnector: lease_s and pull_timeout_s must be > 0, got {settings.lease_s}, {settings.pull_timeout_s}")
+        raise ValueError(f"{name}: lease_s and pull_timeout_s must be > 0, got {settings.lease_s}, {settings.pull_timeout_s}")
     return settings
 
 

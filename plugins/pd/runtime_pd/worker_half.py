@@ -46,8 +46,12 @@ class TcpConnectorWorker:
                     self.leases.pop(req_id, None)
                 self.leases.update(metadata.leases)
                 self.lock.notify_all()
-        for block_ids, tensors in metadata.loads:
-            self._write(block_ids, tensors)
+        for load in metadata.loads:
+            self.load(load)
+
+    def load(self, entry) -> None:
+        """Write one load of the step's metadata (a ``Staged.load_entry``) into the cache."""
+        self._write(*entry)
 
     def _write(self, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
         if len(tensors) != len(self.layers):
@@ -71,14 +75,22 @@ class TcpConnectorWorker:
     def serve_pull(self, request_id: str, block_ids: list[int], layout: str) -> tuple[PullReply, list]:
         """The reply to one pull: the leased blocks, or an error naming why not."""
         if layout != self.layout:
-            return PullReply(error="the decode instance runs a different model layout (architecture, dtype or block size)"), []
+            return self.refuse("the decode instance runs a different model layout (architecture, dtype or block size)")
         with self.lock:
             if not self.lock.wait_for(lambda: request_id in self.leases, LEASE_WAIT_S):
-                return PullReply(error=f"no blocks are leased to request {request_id!r} (lease expired or never made)"), []
+                return self.refuse(f"no blocks are leased to request {request_id!r} (lease expired or never made)")
             leased = self.leases[request_id]
             if block_ids != leased[: len(block_ids)]:
-                return PullReply(error=f"blocks {block_ids} are not the ones leased to request {request_id!r}"), []
-            return gather_blocks(self.layers, block_ids, self.settings.checksum)
+                return self.refuse(f"blocks {block_ids} are not the ones leased to request {request_id!r}")
+            return self.answer(request_id, block_ids)
+
+    def answer(self, request_id: str, block_ids: list[int]) -> tuple:
+        """The reply to a pull of leased blocks (called under the lock: the lease holds meanwhile)."""
+        return gather_blocks(self.layers, block_ids, self.settings.checksum)
+
+    def refuse(self, error: str) -> tuple:
+        """The reply to a pull that cannot be served."""
+        return PullReply(error=error), []
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -99,5 +111,5 @@ class BlockServer(SocketThread):
             reply, layers = self.worker.serve_pull(pull.request_id, pull.block_ids, pull.layout)
         except Exception as exc:  # noqa: BLE001 - a bad pull is answered, never kills the server
             logger.exception("serving a KV pull failed")
-            reply, layers = PullReply(error=f"the prefill instance failed to serve the pull: {exc}"), []
+            reply, layers = self.worker.refuse(f"the prefill instance failed to serve the pull: {exc}")
         self.socket.send_multipart([identity, encode(reply), *layers], copy=False)
