@@ -31,7 +31,7 @@ def test_an_installed_connector_is_selected_by_name():
 
 
 def test_an_unknown_connector_names_the_installed_ones():
-    with pytest.raises(ValueError, match=r"kv_connector 'NixlConnector' is not supported; supported: OffloadingConnector, TcpConnector"):
+    with pytest.raises(ValueError, match=r"kv_connector 'NixlConnector' is not supported; supported: CudaIpcConnector, OffloadingConnector, TcpConnector"):
         parse_transfer_config({"kv_connector": "NixlConnector"})
 
 
