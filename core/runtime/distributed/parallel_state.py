@@ -86,6 +86,8 @@ def init_distributed(platform, rank: int, tp: int, pp: int, init_method: str) ->
         if stage == rank // tp:
             tp_group = group
     _state = ParallelState(rank, world_size, rank % tp, tp, rank // tp, pp, tp_group, platform)
+    if tp > 1:
+        platform.prepare_collectives(tp_group)  # e.g. CUDA's one-shot all-reduce buffers
     return _state
 
 
@@ -93,6 +95,8 @@ def destroy_distributed() -> None:
     global _state
     import torch.distributed as dist
 
+    if _state.platform is not None and _state.tp_size > 1:
+        _state.platform.destroy_collectives()
     if dist.is_initialized():
         dist.destroy_process_group()
     _state = ParallelState()

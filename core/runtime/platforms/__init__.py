@@ -65,6 +65,17 @@ class Platform:
         dist.all_reduce(tensor, group=group)
         return tensor
 
+    def prepare_collectives(self, group: Any) -> None:
+        """Set up this platform's own collectives for the tensor-parallel process ``group``.
+
+        Called once on every rank of ``group`` by ``runtime.distributed.init_distributed``,
+        after the group exists and before the model is built (so before any graph capture):
+        collectives run here have every rank with them. Nothing by default.
+        """
+
+    def destroy_collectives(self) -> None:
+        """Release what :meth:`prepare_collectives` set up; the process group goes next."""
+
     def all_gather(self, tensor: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
         """The ranks' ``tensor`` (same shape on each) concatenated along ``dim`` in rank order."""
         import torch.distributed as dist

@@ -4,16 +4,22 @@ Detection, the worker's device and the KV cache budget are the shared
 :class:`runtime.platforms.gpu.GpuPlatform`'s: devices are counted through NVML
 (``libnvidia-ml``, torch's ``_device_count_nvml``, which honours ``CUDA_VISIBLE_DEVICES``)
 without initializing CUDA, or in a short-lived child process without NVML. What is
-CUDA's own: the fused Triton ops the models use, and CUDA graphs for decode steps.
+CUDA's own: the fused Triton ops the models use, CUDA graphs for decode steps, and the
+tensor-parallel all-reduce: one-shot over CUDA IPC buffers for small messages on one host,
+NCCL for the rest (:mod:`runtime_cuda.collectives`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from runtime.platforms.gpu import GpuPlatform
+
+logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(GpuPlatform):
@@ -24,6 +30,9 @@ class CudaPlatform(GpuPlatform):
     torch_build = "cuda"
     count_hook = "_device_count_nvml"
     visible_devices_envs = ("CUDA_VISIBLE_DEVICES",)
+
+    def __init__(self):
+        self.one_shots: dict[int, Any] = {}  # id(process group) -> its OneShotAllReduce
 
     def is_torch_build(self) -> bool:
         return super().is_torch_build() and torch.version.hip is None  # not a ROCm build
@@ -73,3 +82,28 @@ class CudaPlatform(GpuPlatform):
             return output
 
         return replay
+
+    # ---------------------------------------------------------------- collectives
+    def prepare_collectives(self, group) -> None:
+        """Build the one-shot all-reduce of ``group`` when its ranks can use it (all agree; see
+        :mod:`runtime_cuda.collectives`), else say why every message goes to NCCL."""
+        from runtime_cuda.collectives import setup_one_shot
+
+        one_shot, reason = setup_one_shot(group)
+        if one_shot is None:
+            logger.info("tensor-parallel all-reduce: NCCL only: %s", reason)
+            return
+        self.one_shots[id(group)] = one_shot
+        logger.info("tensor-parallel all-reduce: one-shot over CUDA IPC up to %d bytes, NCCL above", one_shot.max_bytes)
+
+    def destroy_collectives(self) -> None:
+        for one_shot in self.one_shots.values():
+            one_shot.close()
+        self.one_shots.clear()
+
+    def all_reduce(self, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        """One-shot for the messages its group's all-reduce takes (small ones), NCCL for the others."""
+        one_shot = self.one_shots.get(id(group))
+        if one_shot is not None and one_shot.can_reduce(tensor):
+            return one_shot(tensor)
+        return super().all_reduce(tensor, group)

@@ -1,0 +1,112 @@
+// One-shot all-reduce over CUDA IPC buffers for small messages on the GPUs of one host.
+//
+// Every rank owns one IPC-shared allocation (its "workspace") and maps its peers':
+//
+//   [0, kFlagsBytes)              flags[kMaxBlocks][kMaxRanks]: flags[b][src] = the epoch src's block b reached
+//   [kFlagsBytes, +kCountersBytes) counters[kMaxBlocks]: this rank's epoch of each block index (local use only)
+//   [kHeaderBytes, ...)           data[2][max_blocks][region_vecs] of 16-byte vectors: two halves used in turn
+//
+// Block b of a call takes a contiguous run of the message's 16-byte vectors, copies it into its region of
+// the half picked by its epoch's parity, raises its flag in every peer's workspace (release, system scope),
+// waits for every peer's block b to raise theirs (acquire), then sums the run from every rank's region in
+// rank order (float32 accumulators, rounded once) and writes the sum over its input (in place).
+//
+// Why this is safe under CUDA-graph replay, with no host involvement: epochs live in device memory and each
+// block index advances its own by one per call, so a replayed graph keeps counting. Every rank makes the same
+// calls with the same sizes (the same grids), so block b has the same epoch on every rank. A region written
+// at epoch e was last read by peers at epoch e - 2; between them this block passed the barrier of epoch e - 1
+// with every peer, which means each peer's previous kernel (that of e - 2) had finished. Flags only grow, and a
+// waiter accepts any epoch at or past its own (a peer may already have moved on), compared modulo 2^32.
+// The sum order is rank 0, 1, ... on every rank, so all ranks get bitwise-identical results.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace one_shot {
+
+constexpr int kMaxBlocks = 64;
+constexpr int kMaxRanks = 8;
+constexpr int kFlagsBytes = kMaxBlocks * kMaxRanks * 4;
+constexpr int kCountersBytes = kMaxBlocks * 4;
+constexpr int kHeaderBytes = 4096;
+static_assert(kFlagsBytes + kCountersBytes <= kHeaderBytes, "the header holds flags and counters");
+
+__device__ __forceinline__ void store_release(unsigned int* address, unsigned int value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* address) {
+  unsigned int value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+template <typename T> __device__ __forceinline__ float to_float(T x);
+template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// data: this rank's message (num_vecs 16-byte vectors, 16-byte aligned), replaced by the sum.
+// workspaces: every rank's workspace as mapped in this process, in rank order.
+template <typename T, int kRanks>
+__global__ void __launch_bounds__(512) all_reduce(uint4* data, const unsigned long long* workspaces, int rank,
+                                                  int num_vecs, int max_blocks, int region_vecs) {
+  constexpr int kPerVec = 16 / sizeof(T);
+  const int block = blockIdx.x;
+  char* bases[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) bases[r] = reinterpret_cast<char*>(workspaces[r]);
+  char* own = reinterpret_cast<char*>(workspaces[rank]);
+  unsigned int* flags = reinterpret_cast<unsigned int*>(own);
+  unsigned int* counters = reinterpret_cast<unsigned int*>(own + kFlagsBytes);
+
+  __shared__ unsigned int epoch_shared;
+  if (threadIdx.x == 0) {
+    epoch_shared = counters[block] + 1;
+    counters[block] = epoch_shared;
+  }
+  __syncthreads();
+  const unsigned int epoch = epoch_shared;
+
+  const int per_block = (num_vecs + gridDim.x - 1) / gridDim.x;
+  const int first = block * per_block;
+  const int count = min(per_block, num_vecs - first);
+  const long long region = kHeaderBytes + ((long long)(epoch & 1) * max_blocks + block) * region_vecs * 16LL;
+  uint4* mine = reinterpret_cast<uint4*>(own + region);
+  uint4* run = data + first;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) mine[i] = run[i];
+  __syncthreads();
+
+  if (threadIdx.x < kRanks) {  // thread t signals rank t and waits for rank t
+    unsigned int* peer_flags = reinterpret_cast<unsigned int*>(workspaces[threadIdx.x]);  // t is not a constant
+    store_release(peer_flags + block * kMaxRanks + rank, epoch);
+    const unsigned int* waited = flags + block * kMaxRanks + threadIdx.x;
+    while (static_cast<int>(load_acquire(waited) - epoch) < 0) {
+    }
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    float sum[kPerVec];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      const uint4* theirs = reinterpret_cast<const uint4*>(bases[r] + region);
+      uint4 packed = theirs[i];
+      const T* values = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+      for (int k = 0; k < kPerVec; ++k) sum[k] = r == 0 ? to_float<T>(values[k]) : sum[k] + to_float<T>(values[k]);
+    }
+    uint4 out;
+    T* outs = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int k = 0; k < kPerVec; ++k) outs[k] = from_float<T>(sum[k]);
+    run[i] = out;
+  }
+}
+
+}  // namespace one_shot
