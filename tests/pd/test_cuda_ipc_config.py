@@ -48,7 +48,7 @@ def test_a_kv_cache_off_the_gpu_is_refused_at_start(tiny_pd_model):
     with pytest.raises(ValueError, match=r"CudaIpcConnector copies KV blocks between CUDA GPUs of one host; this "
                                          r"instance's KV cache is on cpu: use TcpConnector"):
         LLM(tiny_pd_model, kv_transfer_config={"kv_connector": "CudaIpcConnector", "kv_role": "kv_consumer"},
-            dtype="float32", max_model_len=256, num_gpu_blocks_override=64, enforce_eager=True)
+            platform="cpu", dtype="float32", max_model_len=256, num_gpu_blocks_override=64, enforce_eager=True)
 
 
 def test_a_decode_instance_that_sees_one_gpu_of_several_is_refused_at_start(monkeypatch):
