@@ -61,8 +61,8 @@ class Claimer(Puller):
         self.layers: list[list] = []  # this cache's layer dtypes and block shapes
 
     def pull(self, params: dict) -> Claimed:
+        started = time.monotonic()  # before the producer measured the lease's time left: errs early
         header, _ = self.exchange(params)
-        started = time.monotonic()
         reply = decode_claim(header.buffer)
         if reply.error:
             raise TransferError(reply.error)
