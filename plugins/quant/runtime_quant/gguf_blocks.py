@@ -126,3 +126,15 @@ def dequantize(raw: torch.Tensor, t: BlockType, dtype: torch.dtype = torch.float
     if offset is not None:
         w = w + offset[..., None]
     return w.view(rows, -1).to(dtype)
+
+
+def random_blocks(t: BlockType, rows: int, in_features: int, seed: int = 0, device="cpu") -> torch.Tensor:
+    """Random raw rows uint8 [rows, row bytes] for tests and benchmarks: random code and scale
+    bytes, the float16 fields (``d``, ``m`` / ``dmin``) small normals (never inf or NaN)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks = in_features // t.block
+    raw = torch.randint(0, 256, (rows, blocks, t.nbytes), generator=gen, dtype=torch.uint8, device=device)
+    span = (208, 210) if t.name == "Q6_K" else (0, 4 if t.name in ("Q4_1", "Q4_K", "Q5_K") else 2)
+    halves = torch.randn(rows, blocks, (span[1] - span[0]) // 2, generator=gen, device=device) * 0.01
+    raw[..., span[0] : span[1]] = halves.half().view(torch.uint8)
+    return raw.view(rows, -1)

@@ -5,7 +5,7 @@ has the seven layouts). :func:`dequant_tile` turns the bytes of ``BLOCK_N`` rows
 ``BLOCK_K`` input columns into float32 weights: each column ``k`` lies in block ``k // QK`` at
 position ``k % QK``, so a K step may cover several small blocks (Q*_0, 32 inputs) or part of a
 super-block (K-quants, 256). Codes, scales and offsets are read from the block's bytes and
-combined in gguf-py's order of operations (bit-identical weights).
+combined in gguf-py's order of operations (a compiler may still fuse a multiply-add).
 
 - :func:`gguf_gemv_kernel` (decode, up to 4 rows of ``x``, all in one program so a weight
   tile is read once): split along K; each split writes float32 partial sums

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runtime_quant.gguf_blocks import BLOCK_TYPES, BY_NAME, BlockType, dequantize
+from runtime_quant.gguf_blocks import random_blocks as blocks
 from runtime_quant.gguf_cpu import INT4_MAX_ROWS, Int4Part, SlicedPart, cpu_part
 
 TYPES = [t.name for t in BLOCK_TYPES.values()]
@@ -21,20 +22,7 @@ LLAMA_8B_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # 
 
 
 def random_blocks(t: BlockType, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """uint8 [rows, row bytes]: random codes and scale bytes, float16 fields set to small normals."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(rows, in_features // t.block, t.nbytes), dtype=np.uint8)
-
-    def halves(n: int) -> np.ndarray:
-        return (rng.standard_normal((rows, in_features // t.block, n)) * 0.01).astype(np.float16).view(np.uint8)
-
-    if t.name in ("Q4_1", "Q4_K", "Q5_K"):
-        raw[..., 0:4] = halves(2)  # d and m / dmin
-    elif t.name == "Q6_K":
-        raw[..., 208:210] = halves(1)
-    else:
-        raw[..., 0:2] = halves(1)
-    return raw.reshape(rows, -1)
+    return blocks(t, rows, in_features, seed).numpy()
 
 
 def reference(raw: np.ndarray, t: BlockType) -> torch.Tensor:
@@ -120,7 +108,7 @@ def test_triton_kernels_on_llama_8b_shapes(name):
         pytest.fail("needs a CUDA GPU")
     t = BY_NAME[name]
     for in_features, out_features in LLAMA_8B_SHAPES:
-        raw = torch.from_numpy(random_blocks(t, out_features, in_features, seed=in_features + out_features)).cuda()
+        raw = blocks(t, out_features, in_features, seed=in_features + out_features, device="cuda")
         w = dequantize(raw, t)  # gguf-py's values (the decoder is checked against it above)
         for rows in (1, 4, 16, 128):
             x = torch.randn(rows, in_features, device="cuda", dtype=torch.bfloat16)

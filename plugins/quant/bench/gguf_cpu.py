@@ -1,0 +1,87 @@
+"""CPU: the default GGUF model loaded with ``--quantization gguf`` (blocks kept) vs dequantized at load.
+
+Prints, for each way of loading (``--dtype``, default bfloat16): the bytes of the loaded model's
+parameters (all, and the linear layers alone), the process's resident memory after loading
+(each way in a fresh process), and the milliseconds of one decoder layer's linears (the
+model's own layers 0) at a few batch sizes, taken in turns packed / dense.
+
+    python plugins/quant/bench/gguf_cpu.py [--model PATH] [--dtype bfloat16] [--threads 2] [--batches 1,16,64,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def load(model: str | None, dtype: str, packed: bool):
+    from runtime.config import parse_dtype
+    from runtime.model_loader import load_model, resolve_model
+    from runtime.model_loader.default_model import default_model_path
+    from runtime_quant.gguf import GgufConfig
+
+    resolved = resolve_model(model or default_model_path())
+    return load_model(resolved, dtype=parse_dtype(dtype, None), quant_config=GgufConfig() if packed else None)
+
+
+def linears(model) -> dict:
+    return {name: m for name, m in model.named_modules() if hasattr(m, "output_sizes")}
+
+
+def memory(args, packed: bool) -> dict:
+    """Run in a fresh process: parameter bytes and peak resident memory after loading."""
+    model = load(args.model, args.dtype, packed)
+    params = sum(p.nbytes for p in model.parameters())
+    linear = sum(p.nbytes for m in linears(model).values() for p in m.parameters(recurse=False) if p.dim() >= 2)
+    return {"params_mb": params / 2**20, "linear_mb": linear / 2**20,
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def timings(args) -> None:
+    torch.set_num_threads(args.threads)
+    models = {"packed": load(args.model, args.dtype, True), "dense": load(args.model, args.dtype, False)}
+    layers = {way: [m for n, m in linears(model).items() if ".layers.0." in n] for way, model in models.items()}
+    dtype = next(models["dense"].parameters()).dtype
+    for batch in (int(b) for b in args.batches.split(",")):
+        totals = {way: [] for way in models}
+        for _ in range(args.repeats):
+            for way, mods in layers.items():  # in turns: a busy neighbour hits both
+                xs = [torch.randn(batch, m.in_features, dtype=dtype) for m in mods]
+                for m, x in zip(mods, xs):
+                    m(x)
+                start = time.perf_counter()
+                for m, x in zip(mods, xs):
+                    m(x)
+                totals[way].append((time.perf_counter() - start) * 1e3)
+        print(f"batch {batch:4d}: layer 0's linears, median of {args.repeats}: " +
+              ", ".join(f"{way} {sorted(v)[len(v) // 2]:.3f} ms" for way, v in totals.items()), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", default="1,16,64,512")
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--memory-of", choices=("packed", "dense"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_of:
+        print(json.dumps(memory(args, args.memory_of == "packed")))
+        return
+    for way in ("dense", "packed"):
+        cmd = [sys.executable, __file__, "--dtype", args.dtype, "--memory-of", way] + (["--model", args.model] if args.model else [])
+        result = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        print(f"{way:6s}: parameters {result['params_mb']:.1f} MiB (linear layers {result['linear_mb']:.1f} MiB), "
+              f"peak RSS after load {result['max_rss_mb']:.0f} MiB", flush=True)
+    timings(args)
+
+
+if __name__ == "__main__":
+    main()
