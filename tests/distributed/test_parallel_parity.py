@@ -99,5 +99,7 @@ def test_parallel_greedy_matches_one_worker_and_transformers(references, arch, t
         stage = rank // tp
         assert [s.layer_idx for s in rank_specs] == list(range(stage * num_layers // pp, (stage + 1) * num_layers // pp))
         assert all((s.num_heads, s.num_kv_heads) == (4 // tp, max(1, 2 // tp)) for s in rank_specs)
+    expected_collectives = "torch.distributed (gloo)" if tp > 1 else "none (one worker per stage)"
+    assert [i["collectives"] for i in core.executor.collective_rpc("describe")] == [expected_collectives] * (tp * pp)
     llm.llm_engine.engine_core.shutdown()
     assert not any(p.is_alive() for p in core.executor.processes)

@@ -8,11 +8,14 @@ process group of the platform's ``dist_backend`` (gloo on the CPU, nccl on CUDA)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DIST_TIMEOUT = timedelta(minutes=10)  # a stuck collective; a dead peer is caught by the executor first
 
@@ -27,6 +30,7 @@ class ParallelState:
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed ProcessGroup of this rank's pipeline stage
     platform: Any = None  # runtime.platforms.Platform whose collectives run
+    collectives: str = ""  # what the tensor-parallel all-reduce takes (Platform.prepare_collectives)
 
     @property
     def is_first_stage(self) -> bool:
@@ -87,7 +91,8 @@ def init_distributed(platform, rank: int, tp: int, pp: int, init_method: str) ->
             tp_group = group
     _state = ParallelState(rank, world_size, rank % tp, tp, rank // tp, pp, tp_group, platform)
     if tp > 1:
-        platform.prepare_collectives(tp_group)  # e.g. CUDA's one-shot all-reduce buffers
+        _state.collectives = platform.prepare_collectives(tp_group)  # e.g. CUDA's one-shot all-reduce buffers
+        logger.info("tensor-parallel all-reduce: %s", _state.collectives)
     return _state
 
 

@@ -65,13 +65,16 @@ class Platform:
         dist.all_reduce(tensor, group=group)
         return tensor
 
-    def prepare_collectives(self, group: Any) -> None:
-        """Set up this platform's own collectives for the tensor-parallel process ``group``.
+    def prepare_collectives(self, group: Any) -> str:
+        """Set up this platform's own collectives for the tensor-parallel process ``group``; returns
+        one line that says which collectives its all-reduce takes (logged, and kept in the
+        worker's ``ParallelState.collectives``).
 
         Called once on every rank of ``group`` by ``runtime.distributed.init_distributed``,
         after the group exists and before the model is built (so before any graph capture):
-        collectives run here have every rank with them. Nothing by default.
+        collectives run here have every rank with them. Nothing to set up by default.
         """
+        return f"torch.distributed ({self.dist_backend})"
 
     def destroy_collectives(self) -> None:
         """Release what :meth:`prepare_collectives` set up; the process group goes next."""

@@ -72,6 +72,17 @@ class Worker:
         handshake = getattr(self.model_runner.kv_connector, "get_handshake_metadata", None)
         return None if handshake is None else handshake()
 
+    def describe(self) -> dict:
+        """What this worker runs, for tests and diagnostics: its tensor-parallel all-reduce and how
+        many decode steps replayed a captured graph."""
+        from runtime.distributed import get_parallel_state
+
+        graphs = self.model_runner.graphs
+        return {
+            "collectives": get_parallel_state().collectives or "none (one worker per stage)",
+            "decode_graph_replays": 0 if graphs is None else sum(graphs.replay_counts.values()),
+        }
+
     def shutdown(self) -> None:
         """Finish the KV connector's saves in flight (offload tiers write their last blocks)."""
         shutdown = getattr(self.model_runner.kv_connector, "shutdown", None)

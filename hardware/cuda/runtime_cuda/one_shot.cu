@@ -19,9 +19,6 @@
 // waiter accepts any epoch at or past its own (a peer may already have moved on), compared modulo 2^32.
 // The sum order is rank 0, 1, ... on every rank, so all ranks get bitwise-identical results.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 namespace one_shot {
 
 constexpr int kMaxBlocks = 64;
@@ -41,15 +38,34 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* address
   return value;
 }
 
-template <typename T> __device__ __forceinline__ float to_float(T x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+// 16-bit floats as their bits, converted by PTX (no CUDA headers, so NVRTC needs no include path).
+struct f16 {
+  unsigned short bits;
+};
+struct bf16 {
+  unsigned short bits;
+};
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(f16 x) {
+  float value;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(x.bits));
+  return value;
+}
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(static_cast<unsigned int>(x.bits) << 16); }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
+  f16 out;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(x));
+  return out;
+}
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {  // round to nearest even, as torch
+  bf16 out;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out.bits) : "f"(x));
+  return out;
+}
 
 // data: this rank's message (num_vecs 16-byte vectors, 16-byte aligned), replaced by the sum.
 // workspaces: every rank's workspace as mapped in this process, in rank order.
@@ -99,7 +115,7 @@ __global__ void __launch_bounds__(512) all_reduce(uint4* data, const unsigned lo
       uint4 packed = theirs[i];
       const T* values = reinterpret_cast<const T*>(&packed);
 #pragma unroll
-      for (int k = 0; k < kPerVec; ++k) sum[k] = r == 0 ? to_float<T>(values[k]) : sum[k] + to_float<T>(values[k]);
+      for (int k = 0; k < kPerVec; ++k) sum[k] = r == 0 ? to_float(values[k]) : sum[k] + to_float(values[k]);
     }
     uint4 out;
     T* outs = reinterpret_cast<T*>(&out);

@@ -29,7 +29,7 @@ HEADER_BYTES = 4096  # flags and epoch counters, ahead of the data (kHeaderBytes
 MAX_BLOCKS_LIMIT = 64  # kMaxBlocks: the flags have a row per block index
 MAX_RANKS = 8  # kMaxRanks
 DEFAULT_MAX_BLOCKS = 36  # blocks of the largest messages (small ones take one block per 8 KiB)
-KERNEL_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+KERNEL_TYPES = {torch.float32: "float", torch.float16: "one_shot::f16", torch.bfloat16: "one_shot::bf16"}
 
 
 def workspace_layout(max_bytes: int, max_blocks: int) -> tuple[int, int]:

@@ -11,15 +11,12 @@ NCCL for the rest (:mod:`runtime_cuda.collectives`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from runtime.platforms.gpu import GpuPlatform
-
-logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(GpuPlatform):
@@ -84,17 +81,16 @@ class CudaPlatform(GpuPlatform):
         return replay
 
     # ---------------------------------------------------------------- collectives
-    def prepare_collectives(self, group) -> None:
+    def prepare_collectives(self, group) -> str:
         """Build the one-shot all-reduce of ``group`` when its ranks can use it (all agree; see
-        :mod:`runtime_cuda.collectives`), else say why every message goes to NCCL."""
+        :mod:`runtime_cuda.collectives`); says which messages take it, or why all take NCCL."""
         from runtime_cuda.collectives import setup_one_shot
 
         one_shot, reason = setup_one_shot(group)
         if one_shot is None:
-            logger.info("tensor-parallel all-reduce: NCCL only: %s", reason)
-            return
+            return f"NCCL only: {reason}"
         self.one_shots[id(group)] = one_shot
-        logger.info("tensor-parallel all-reduce: one-shot over CUDA IPC up to %d bytes, NCCL above", one_shot.max_bytes)
+        return f"one-shot over CUDA IPC up to {one_shot.max_bytes} bytes, NCCL above"
 
     def destroy_collectives(self) -> None:
         for one_shot in self.one_shots.values():
