@@ -13,19 +13,13 @@ A KV connector (offload tiers, prefill/decode transfer) joins through
 from __future__ import annotations
 
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.messages import CachedRequestData, EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from runtime.messages import CachedRequestData, EngineCoreOutputs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from runtime.scheduler.kv_cache_manager import KVCacheManager
 from runtime.scheduler.kv_connector import SchedulerConnector
-from runtime.scheduler.output import append_plain_tokens, append_tokens
+from runtime.scheduler.output import append_any_tokens, append_plain_tokens
 from runtime.scheduler.request import Request, RequestStatus
 from runtime.scheduler.stopping import SpecDecodeStats
 from runtime.scheduler.structured_output import StructuredOutputManager
-
-# Enum members looked up once: a class attribute lookup costs ~150 ns on Python 3.11,
-# and the per-request loops below do several per request and step.
-_RUNNING = RequestStatus.RUNNING
-_FINISHED = RequestStatus.FINISHED_STOPPED  # this and every status above it
-
 
 class Scheduler:
     def __init__(
@@ -351,7 +345,8 @@ class Scheduler:
     # ---------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         if scheduler_output.scheduled_spec_decode_tokens or runner_output.prompt_logprobs or runner_output.logprobs is not None:
-            outputs, new_tokens = self._update_requests(scheduler_output, runner_output), None
+            outputs = append_any_tokens(self.requests, scheduler_output, runner_output, self.max_model_len, self._observe_drafts)
+            new_tokens = None
         else:
             new_tokens, outputs = append_plain_tokens(self.requests, runner_output, self.max_model_len, self.any_stop_ids)
         finished = set()
@@ -366,38 +361,11 @@ class Scheduler:
             self.kv_connector.step_done(scheduler_output, runner_output)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(), failed=failed or None, new_tokens=new_tokens)
 
-    def _update_requests(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Any step (drafts verified, logprobs, prompt logprobs): every output as a record."""
-        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids))
-        row_of = {}  # first logprobs row of each request that sampled (one row per sampled token)
-        if runner_output.logprobs is not None:
-            row = 0
-            for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-                row_of[req_id] = row
-                row += len(tokens)
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        prompt_chunks = runner_output.prompt_logprobs
-        outputs: list[EngineCoreOutput] = []
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.status != _RUNNING:
-                continue  # aborted or preempted while the step ran
-            if prompt_chunks and req_id in prompt_chunks and not request.output_token_ids:
-                request.prompt_logprobs.append(prompt_chunks[req_id])
-            if req_id in sampled and request.num_output_placeholders:
-                request.num_output_placeholders -= 1  # its token is back
-            if spec_tokens and req_id in spec_tokens and req_id in sampled:
-                # k drafts verified, m = accepted + 1 tokens emitted: the rejected drafts'
-                # positions count as not computed (their KV is overwritten later).
-                num_drafts, num_emitted = len(spec_tokens[req_id]), len(sampled[req_id])
-                request.num_computed_tokens -= num_drafts + 1 - num_emitted
-                if self.spec_stats is None:
-                    self.spec_stats = SpecDecodeStats(0)
-                self.spec_stats.observe(num_drafts, num_emitted - 1)
-            output = append_tokens(request, sampled.get(req_id, ()), runner_output, row_of.get(req_id), self.max_model_len)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+    def _observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """Count one request's verified drafts (stats start at the first, even with no proposer set)."""
+        if self.spec_stats is None:
+            self.spec_stats = SpecDecodeStats(0)
+        self.spec_stats.observe(num_drafts, num_accepted)
 
     def stats(self) -> dict:
         prefix = self.kv_cache_manager.stats
