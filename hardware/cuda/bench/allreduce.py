@@ -7,7 +7,12 @@ with CUDA events on every rank; the slowest rank's mean per call is reported. Pr
 the largest size up to which one-shot wins at every size (the value to give
 ``RUNTIME_CUDA_ONE_SHOT_MAX_BYTES``), and with ``--json`` writes the numbers.
 
-    python hardware/cuda/bench/allreduce.py [--world 2] [--dtype bfloat16] [--max-blocks 36[,16,...]] [--json out.json]
+    python hardware/cuda/bench/allreduce.py [--world 2] [--dtype bfloat16] [--max-blocks 36[,16,...]] [--modes push,pull]
+        [--json out.json]
+
+``--modes``: ``push`` (each rank stores its message in every rank's workspace, the sum reads local
+memory) and ``pull`` (each rank stores in its own, the sum reads the peers'); a column per mode and
+``--max-blocks`` value.
 """
 
 from __future__ import annotations
@@ -55,10 +60,12 @@ def rank_main(rank: int, world: int, init_file: str, args, out_file: str) -> Non
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     dtype = getattr(torch, args.dtype)
     reducers = {}
-    for max_blocks in args.max_blocks:
-        reducers[f"one-shot/{max_blocks}"], reason = OneShotAllReduce.create(dist.group.WORLD, max(args.sizes), max_blocks)
-        if reducers[f"one-shot/{max_blocks}"] is None:
-            raise SystemExit(f"no one-shot all-reduce: {reason}")
+    for mode in args.modes:
+        for max_blocks in args.max_blocks:
+            reduce, reason = OneShotAllReduce.create(dist.group.WORLD, max(args.sizes), max_blocks, push=mode == "push")
+            if reduce is None:
+                raise SystemExit(f"no one-shot all-reduce: {reason}")
+            reducers[f"{mode}/{max_blocks}"] = reduce
     rows = []
     for nbytes in args.sizes:
         buf = torch.zeros(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype, device="cuda")
@@ -105,6 +112,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULT_SIZES)
     parser.add_argument("--max-blocks", type=lambda s: [int(x) for x in s.split(",")], default=[36])
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["push", "pull"])
     parser.add_argument("--calls", type=int, default=65, help="all-reduces per captured graph")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--json", help="write the rows here")
@@ -124,7 +132,7 @@ def main() -> None:
             raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
         with open(out_file) as f:
             rows = json.load(f)
-    names = [f"one-shot/{b}" for b in args.max_blocks]
+    names = [f"{m}/{b}" for m in args.modes for b in args.max_blocks]
     print(f"all-reduce of {args.dtype} on {args.world} GPUs ({torch.cuda.get_device_name(0)}), "
           f"{args.calls} calls per graph, {args.replays} replays, slowest rank's mean per call:")
     print(report(rows, names))

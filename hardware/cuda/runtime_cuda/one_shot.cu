@@ -4,18 +4,20 @@
 //
 //   [0, kFlagsBytes)              flags[kMaxBlocks][kMaxRanks]: flags[b][src] = the epoch src's block b reached
 //   [kFlagsBytes, +kCountersBytes) counters[kMaxBlocks]: this rank's epoch of each block index (local use only)
-//   [kHeaderBytes, ...)           data[2][max_blocks][region_vecs] of 16-byte vectors: two halves used in turn
+//   [kHeaderBytes, ...)           data[2][kRanks][max_blocks][region_vecs] of 16-byte vectors: the halves are
+//                                 used in turn (by epoch parity), one slot per source rank
 //
-// Block b of a call takes a contiguous run of the message's 16-byte vectors, copies it into its region of
-// the half picked by its epoch's parity, raises its flag in every peer's workspace (release, system scope),
-// waits for every peer's block b to raise theirs (acquire), then sums the run from every rank's region in
-// rank order (float32 accumulators, rounded once) and writes the sum over its input (in place).
+// Block b of a call takes a contiguous run of the message's 16-byte vectors and puts it in slot `rank` of its
+// region: of every rank's workspace (push: remote stores, so the sum reads local memory only) or of its own
+// (pull: the sum reads the peers' workspaces). Then it raises its flag in every peer's workspace (release,
+// system scope), waits for every peer's block b to raise theirs (acquire), sums the run's slots in rank order
+// (float32 accumulators, rounded once) and writes the sum over its input (in place).
 //
 // Why this is safe under CUDA-graph replay, with no host involvement: epochs live in device memory and each
 // block index advances its own by one per call, so a replayed graph keeps counting. Every rank makes the same
 // calls with the same sizes (the same grids), so block b has the same epoch on every rank. A region written
-// at epoch e was last read by peers at epoch e - 2; between them this block passed the barrier of epoch e - 1
-// with every peer, which means each peer's previous kernel (that of e - 2) had finished. Flags only grow, and a
+// at epoch e was last read at epoch e - 2; between them this block passed the barrier of epoch e - 1 with
+// every peer, which means each peer's previous kernel (that of e - 2) had finished. Flags only grow, and a
 // waiter accepts any epoch at or past its own (a peer may already have moved on), compared modulo 2^32.
 // The sum order is rank 0, 1, ... on every rank, so all ranks get bitwise-identical results.
 
@@ -69,7 +71,7 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {  // roun
 
 // data: this rank's message (num_vecs 16-byte vectors, 16-byte aligned), replaced by the sum.
 // workspaces: every rank's workspace as mapped in this process, in rank order.
-template <typename T, int kRanks>
+template <typename T, int kRanks, bool kPush>
 __global__ void __launch_bounds__(512) all_reduce(uint4* data, const unsigned long long* workspaces, int rank,
                                                   int num_vecs, int max_blocks, int region_vecs) {
   constexpr int kPerVec = 16 / sizeof(T);
@@ -92,10 +94,18 @@ __global__ void __launch_bounds__(512) all_reduce(uint4* data, const unsigned lo
   const int per_block = (num_vecs + gridDim.x - 1) / gridDim.x;
   const int first = block * per_block;
   const int count = min(per_block, num_vecs - first);
-  const long long region = kHeaderBytes + ((long long)(epoch & 1) * max_blocks + block) * region_vecs * 16LL;
-  uint4* mine = reinterpret_cast<uint4*>(own + region);
+  const long long slot_bytes = (long long)max_blocks * region_vecs * 16LL;  // one source rank's slot of a half
+  const long long region = kHeaderBytes + (long long)(epoch & 1) * kRanks * slot_bytes + (long long)block * region_vecs * 16LL;
   uint4* run = data + first;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) mine[i] = run[i];
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    const uint4 value = run[i];
+    if (kPush) {
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r) reinterpret_cast<uint4*>(bases[r] + region + rank * slot_bytes)[i] = value;
+    } else {
+      reinterpret_cast<uint4*>(own + region + rank * slot_bytes)[i] = value;
+    }
+  }
   __syncthreads();
 
   if (threadIdx.x < kRanks) {  // thread t signals rank t and waits for rank t
@@ -111,8 +121,8 @@ __global__ void __launch_bounds__(512) all_reduce(uint4* data, const unsigned lo
     float sum[kPerVec];
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) {
-      const uint4* theirs = reinterpret_cast<const uint4*>(bases[r] + region);
-      uint4 packed = theirs[i];
+      const char* slot = (kPush ? own : bases[r]) + region + r * slot_bytes;
+      uint4 packed = reinterpret_cast<const uint4*>(slot)[i];
       const T* values = reinterpret_cast<const T*>(&packed);
 #pragma unroll
       for (int k = 0; k < kPerVec; ++k) sum[k] = r == 0 ? to_float(values[k]) : sum[k] + to_float(values[k]);

@@ -29,18 +29,20 @@ HEADER_BYTES = 4096  # flags and epoch counters, ahead of the data (kHeaderBytes
 MAX_BLOCKS_LIMIT = 64  # kMaxBlocks: the flags have a row per block index
 MAX_RANKS = 8  # kMaxRanks
 DEFAULT_MAX_BLOCKS = 36  # blocks of the largest messages (small ones take one block per 8 KiB)
+DEFAULT_PUSH = True  # each rank stores its message in every workspace (the sum reads local memory), else pull
 KERNEL_TYPES = {torch.float32: "float", torch.float16: "one_shot::f16", torch.bfloat16: "one_shot::bf16"}
 
 
-def workspace_layout(max_bytes: int, max_blocks: int) -> tuple[int, int]:
+def workspace_layout(max_bytes: int, max_blocks: int, world_size: int) -> tuple[int, int]:
     """``(region_vecs, workspace bytes)`` for messages up to ``max_bytes``: each of the two halves
-    holds ``max_blocks`` regions of ``region_vecs`` vectors, enough for a block's run of any message
-    that fits (a block runs at most ``THREADS`` vectors until all ``max_blocks`` blocks are used)."""
+    holds a slot per rank of ``max_blocks`` regions of ``region_vecs`` vectors, enough for a block's
+    run of any message that fits (a block runs at most ``THREADS`` vectors until all ``max_blocks``
+    blocks are used)."""
     if not 0 < max_blocks <= MAX_BLOCKS_LIMIT:
         raise ValueError(f"max_blocks {max_blocks} is outside 1..{MAX_BLOCKS_LIMIT}")
     max_vecs = -(-max_bytes // VECTOR_BYTES)
     region_vecs = max(THREADS, -(-max_vecs // max_blocks))
-    return region_vecs, HEADER_BYTES + 2 * max_blocks * region_vecs * VECTOR_BYTES
+    return region_vecs, HEADER_BYTES + 2 * world_size * max_blocks * region_vecs * VECTOR_BYTES
 
 
 def num_blocks(num_vecs: int, max_blocks: int) -> int:
@@ -74,12 +76,12 @@ class OneShotAllReduce:
     """
 
     def __init__(self, rank: int, world_size: int, max_bytes: int, max_blocks: int = DEFAULT_MAX_BLOCKS,
-                 device: int | None = None):
+                 device: int | None = None, push: bool = DEFAULT_PUSH):
         if world_size not in (2, 4, 8):
             raise ValueError(f"the one-shot all-reduce takes 2, 4 or 8 ranks, not {world_size}")
         self.rank, self.world_size = rank, world_size
-        self.max_bytes, self.max_blocks = max_bytes, max_blocks
-        self.region_vecs, self.workspace_bytes = workspace_layout(max_bytes, max_blocks)
+        self.max_bytes, self.max_blocks, self.push = max_bytes, max_blocks, push
+        self.region_vecs, self.workspace_bytes = workspace_layout(max_bytes, max_blocks, world_size)
         self.device = device  # the GPU index (create() takes the current one)
         self.own_workspace = 0  # device pointer of this rank's workspace (cudaMalloc)
         self.peer_workspaces: list[int] = []  # every rank's, mapped here, in rank order
@@ -90,11 +92,13 @@ class OneShotAllReduce:
 
     # ---------------------------------------------------------------- building (collective)
     @classmethod
-    def create(cls, group, max_bytes: int, max_blocks: int = DEFAULT_MAX_BLOCKS) -> tuple[OneShotAllReduce | None, str | None]:
+    def create(cls, group, max_bytes: int, max_blocks: int = DEFAULT_MAX_BLOCKS,
+               push: bool = DEFAULT_PUSH) -> tuple[OneShotAllReduce | None, str | None]:
         """``(all-reduce, None)`` on every rank of ``group``, or ``(None, why not)`` on every rank."""
         import torch.distributed as dist
 
-        self = cls(dist.get_rank(group), dist.get_world_size(group), max_bytes, max_blocks, torch.cuda.current_device())
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        self = cls(rank, world_size, max_bytes, max_blocks, torch.cuda.current_device(), push)
         handle, error = self._allocate()
         handles: list[Any] = [None] * self.world_size
         dist.all_gather_object(handles, (handle, error), group=group)
@@ -141,7 +145,8 @@ class OneShotAllReduce:
 
     def _load_kernels(self, cupy) -> dict[torch.dtype, Any]:
         """The kernel for each dtype and this world size, compiled and loaded now (never inside a capture)."""
-        names = {dtype: f"one_shot::all_reduce<{name}, {self.world_size}>" for dtype, name in KERNEL_TYPES.items()}
+        push = "true" if self.push else "false"
+        names = {dtype: f"one_shot::all_reduce<{name}, {self.world_size}, {push}>" for dtype, name in KERNEL_TYPES.items()}
         source = (files("runtime_cuda") / "one_shot.cu").read_text()
         module = cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=list(names.values()))
         return {dtype: module.get_function(name).kernel for dtype, name in names.items()}

@@ -34,7 +34,7 @@ TIMEOUT_S = 150
 
 
 # ---------------------------------------------------------------- two processes
-def rank_main(rank: int, init_file: str, case: str, results) -> None:
+def rank_main(rank: int, init_file: str, case: str, push: bool, results) -> None:
     import torch.distributed as dist
 
     from runtime_cuda.one_shot import OneShotAllReduce
@@ -42,7 +42,7 @@ def rank_main(rank: int, init_file: str, case: str, results) -> None:
     try:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
-        reduce, reason = OneShotAllReduce.create(dist.group.WORLD, max_bytes=8 << 20)
+        reduce, reason = OneShotAllReduce.create(dist.group.WORLD, max_bytes=8 << 20, push=push)
         assert reduce is not None, f"no one-shot all-reduce on rank {rank}: {reason}"
         CASES[case](rank, reduce)
         torch.cuda.synchronize()
@@ -54,12 +54,12 @@ def rank_main(rank: int, init_file: str, case: str, results) -> None:
         results.put((rank, traceback.format_exc()))
 
 
-def run_ranks(case: str) -> None:
+def run_ranks(case: str, push: bool) -> None:
     """Run ``CASES[case]`` on ranks 0 and 1; fail with each failing rank's traceback, or on a hang."""
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=rank_main, args=(r, os.path.join(tmp, "init"), case, results)) for r in range(WORLD_SIZE)]
+        procs = [ctx.Process(target=rank_main, args=(r, os.path.join(tmp, "init"), case, push, results)) for r in range(WORLD_SIZE)]
         for p in procs:
             p.start()
         errors = {}
@@ -107,7 +107,7 @@ def check_sum(out: torch.Tensor, x: torch.Tensor, label: str) -> None:
     import torch.distributed as dist
 
     assert torch.equal(bits(out), bits(rank_order_sum(x))), f"{label}: not the rank-order sum"
-    nccl = x.clone()
+    nccl = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(nccl)
     assert torch.equal(bits(out), bits(nccl)), f"{label}: differs from NCCL"
     check_same_everywhere(out, label)
@@ -189,9 +189,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_one_shot_all_reduce_on_two_gpus(case):
-    run_ranks(case)
+@pytest.mark.parametrize(("case", "push"), [("eager", True), ("eager", False), ("graph", True), ("graph", False),
+                                            ("back_to_back", True)])
+def test_one_shot_all_reduce_on_two_gpus(case, push):
+    """``push``: each rank stores its message in every workspace; else each reads the peers'."""
+    run_ranks(case, push)
 
 
 # ---------------------------------------------------------------- a TP=2 engine

@@ -8,6 +8,7 @@ kernel source compiles for sm_90 when nvcc is on the PATH.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 
@@ -48,16 +49,16 @@ def test_ranks_turn_it_off_together_for_what_it_cannot_do():
 
 
 def test_workspace_holds_every_block_run_of_every_message_that_fits():
-    for max_bytes, max_blocks in ((8 << 10, 36), (512 << 10, 36), (8 << 20, 36), (1 << 20, 64), (100_016, 7)):
-        region_vecs, nbytes = workspace_layout(max_bytes, max_blocks)
-        assert nbytes == one_shot.HEADER_BYTES + 2 * max_blocks * region_vecs * VECTOR_BYTES
+    for max_bytes, max_blocks, world in ((8 << 10, 36, 2), (512 << 10, 36, 8), (8 << 20, 36, 2), (1 << 20, 64, 4), (100_016, 7, 2)):
+        region_vecs, nbytes = workspace_layout(max_bytes, max_blocks, world)
+        assert nbytes == one_shot.HEADER_BYTES + 2 * world * max_blocks * region_vecs * VECTOR_BYTES
         for num_vecs in {1, 2, THREADS - 1, THREADS, THREADS + 1, 3 * THREADS, max_bytes // VECTOR_BYTES}:
             grid = num_blocks(num_vecs, max_blocks)
             assert 1 <= grid <= max_blocks
             assert -(-num_vecs // grid) <= region_vecs  # a block's run fits its region
             assert grid == min(max_blocks, -(-num_vecs // THREADS))
     with pytest.raises(ValueError, match=f"max_blocks 65 is outside 1..{MAX_BLOCKS_LIMIT}"):
-        workspace_layout(1 << 20, MAX_BLOCKS_LIMIT + 1)
+        workspace_layout(1 << 20, MAX_BLOCKS_LIMIT + 1, 2)
     with pytest.raises(ValueError, match="takes 2, 4 or 8 ranks, not 3"):
         OneShotAllReduce(0, 3, 1 << 20)
 
@@ -154,8 +155,9 @@ def test_kernel_source_compiles_for_hopper(tmp_path):
     source = tmp_path / "instances.cu"
     lines = [f'#include "{one_shot.__file__.replace(".py", ".cu")}"']
     for name in one_shot.KERNEL_TYPES.values():
-        for ranks in (2, 4, 8):
-            lines.append(f"template __global__ void one_shot::all_reduce<{name}, {ranks}>(uint4*, const unsigned long long*, int, int, int, int);")
+        for ranks, push in itertools.product((2, 4, 8), ("true", "false")):
+            lines.append(f"template __global__ void one_shot::all_reduce<{name}, {ranks}, {push}>"
+                         "(uint4*, const unsigned long long*, int, int, int, int);")
     source.write_text("\n".join(lines) + "\n")
     result = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(tmp_path / "k.cubin"), str(source)],
                             capture_output=True, text=True, timeout=120)
