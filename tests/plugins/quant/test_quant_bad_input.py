@@ -43,13 +43,13 @@ def load(path: str, **kwargs):
 def test_unknown_quant_method_names_the_installed_ones(fp8_checkpoint):
     edit_config(fp8_checkpoint, quant_method="bitsandbytes")
     with pytest.raises(ValueError, match=r"quant_method 'bitsandbytes' is not supported; installed quant methods: "
-                                         r"awq, compressed-tensors, fp8, gptq, int4_weight_only, int8, int8_weight_only$"):
+                                         r"awq, compressed-tensors, fp8, gguf, gptq, int4_weight_only, int8, int8_weight_only$"):
         load(fp8_checkpoint)
 
 
 def test_unknown_quantization_flag(float_checkpoint):
     with pytest.raises(ValueError, match=r"unknown quant method 'bitsandbytes'; installed: awq, compressed-tensors, fp8, "
-                                         r"gptq, int4_weight_only, int8, int8_weight_only$"):
+                                         r"gguf, gptq, int4_weight_only, int8, int8_weight_only$"):
         load(float_checkpoint, quantization="bitsandbytes")
 
 
