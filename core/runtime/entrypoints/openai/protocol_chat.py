@@ -1,0 +1,152 @@
+"""The chat completion request: its messages (with tool calls and results) and its tools and tool
+choice, which may constrain the output as structured output does."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, OpenAIBaseModel
+from runtime.entrypoints.openai.protocol_sampling import SamplingFields, check_logprobs
+from runtime.entrypoints.openai.protocol_structured import structured_params
+from runtime.entrypoints.openai.protocol_tools import (
+    MAX_TOOLS, ChatTool, NamedToolChoice, ToolCallIn, named_tool_schema, required_tools_schema,
+)
+from runtime.sampling_params import StructuredOutputsParams
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=1024)] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as a chat template expects it: content as one string; tool call arguments
+        as objects (templates serialize them themselves)."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise ValueError(f"messages: the 'text' of a text content part must be a string, got {type(text).__name__}")
+                texts.append(text)
+            content = "\n".join(texts)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: the template gets the text
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; "required" may give several calls, a named choice one
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _num_logprobs(self) -> int | None:
+        check_logprobs("top_logprobs", self.top_logprobs)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def tool_mode(self) -> str:
+        """How tools are used: "none", "auto", "required" or "named" (OpenAI's default: "auto"
+        with tools, "none" without)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if choice is None:
+            return "auto" if self.tools else "none"
+        return choice
+
+    def named_tool(self) -> ChatTool | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next(t for t in self.tools or () if t.function.name == self.tool_choice.function.name)
+
+    def check_tools(self) -> None:
+        """The tools and tool choice make sense together; InvalidField naming the field if not."""
+        names = [t.function.name for t in self.tools or ()]
+        duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if duplicate is not None:
+            raise InvalidField("tools", f"tools: the function name {duplicate!r} is given more than once")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise InvalidField("tool_choice", "tool_choice needs tools: the request has no tools to choose from")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in names:
+                raise InvalidField(
+                    "tool_choice",
+                    f"tool_choice names the function {name!r}, which is not among the tools; valid: {', '.join(names)}",
+                )
+        if self.tool_mode in ("required", "named"):
+            source = self.structured_output_sources()
+            if source:
+                raise InvalidField(
+                    source[0], f"tool_choice {self._tool_choice_text()} and {source[0]} both constrain the output; set only one",
+                )
+
+    def _tool_choice_text(self) -> str:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return f"(function {self.tool_choice.function.name!r})"
+        return repr(self.tool_choice)
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        mode = self.tool_mode
+        if mode == "named":
+            self.check_tools()
+            return structured_params("tools", json=named_tool_schema(self.named_tool()))
+        if mode == "required":
+            self.check_tools()
+            return structured_params("tools", json=required_tools_schema(self.tools))
+        return super().structured_output_params()
+
+    def structured_output_field(self) -> str | None:
+        if self.tool_mode in ("named", "required"):
+            return "tools"
+        return super().structured_output_field()
+
+    def check_supported(self) -> None:
+        self.check_tools()
+        if self.chat_template_kwargs and "chat_template" in self.chat_template_kwargs:
+            raise ValueError(
+                "chat_template_kwargs may not set 'chat_template': a request cannot bring its own template "
+                "(it would run on the server); the server renders with the model's template"
+            )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")

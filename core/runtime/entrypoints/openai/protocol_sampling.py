@@ -1,0 +1,201 @@
+"""The sampling fields shared by completion and chat completion requests, and their turn into
+:class:`SamplingParams` (range checks live there; its ValueErrors name the field)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from runtime.entrypoints.openai.protocol_base import (
+    Int64,
+    InvalidField,
+    LogitBias,
+    OpenAIBaseModel,
+    StopStrings,
+    StopTokenIds,
+)
+from runtime.entrypoints.openai.protocol_structured import (
+    STRUCTURED_OUTPUT_FIELDS, ResponseFormat, StructuredOutputsRequest, schema_dict, structured_params,
+)
+from runtime.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: Int64 = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | StopStrings | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: bool = False
+    min_tokens: Int64 = 0
+    logit_bias: LogitBias | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: Int64 = 0
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation per tenant
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=4096)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's per-request backend choice: the server's backend is used
+    guided_whitespace_pattern: str | None = None  # vLLM's; no effect here
+    # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on a prefill instance; the
+    # prefill response's kv_transfer_params on a decode instance (a KV connector reads them).
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def _max_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def _num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
+    def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
+        """SamplingParams of this request; ValueError naming the field if a value is out of range."""
+        max_tokens = self._max_tokens()
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=self._num_logprobs(),
+            prompt_logprobs=self._prompt_logprobs(),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=parse_logit_bias(self.logit_bias),
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            cache_salt=self.cache_salt,
+            structured_outputs=self.structured_output_params(),
+            extra_args=self._extra_args(),
+        )
+
+    def _extra_args(self) -> dict | None:
+        if self.kv_transfer_params is None:
+            return None
+        if self.n != 1:
+            raise InvalidField("kv_transfer_params", f"kv_transfer_params needs n = 1, got n = {self.n}")
+        return {"kv_transfer_params": dict(self.kv_transfer_params)}
+
+    def structured_output_sources(self) -> list[str]:
+        """The request fields that ask for structured output (``response_format`` of type text does not)."""
+        sources = []
+        for name in STRUCTURED_OUTPUT_FIELDS:
+            value = getattr(self, name)
+            if value is None or (name == "response_format" and value.type == "text"):
+                continue
+            sources.append(name)
+        return sources
+
+    def structured_output_field(self) -> str | None:
+        """The one request field that asks for structured output, if any (errors about the
+        constraint name it); InvalidField if several do."""
+        sources = self.structured_output_sources()
+        if len(sources) > 1:
+            raise InvalidField(
+                sources[1], f"{' and '.join(sources)} each ask for structured output; set only one of them",
+            )
+        return sources[0] if sources else None
+
+    def structured_output_param(self) -> str | None:
+        """The request field (a dotted path) holding the constraint, named by errors about it
+        (a schema the guided backend cannot compile, no backend installed)."""
+        source = self.structured_output_field()
+        if source == "response_format" and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is not None and self.response_format.json_schema.schema_ is not None:
+                return "response_format.json_schema.schema"
+        if source == "structured_outputs":
+            so = self.structured_outputs
+            given = [k for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                    ("grammar", so.grammar), ("json_object", so.json_object)) if v not in (None, False)]
+            return f"structured_outputs.{given[0]}" if len(given) == 1 else source
+        return source
+
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        """The constraint the request asks for, or None; InvalidField naming the field if it is
+        malformed or several fields ask for one."""
+        source = self.structured_output_field()
+        if source is None:
+            return None
+        if source == "response_format":
+            fmt = self.response_format
+            if fmt.type == "json_object":
+                return structured_params(source, json_object=True)
+            if fmt.json_schema is None:
+                raise InvalidField("response_format.json_schema",
+                                   "response_format.json_schema is required when response_format.type is 'json_schema'")
+            if fmt.json_schema.schema_ is None:  # OpenAI's schema is optional: any JSON object then
+                return structured_params(source, json_object=True)
+            return structured_params("response_format.json_schema.schema", json=fmt.json_schema.schema_)
+        if source == "structured_outputs":
+            so = self.structured_outputs
+            fields = dict(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object)
+            if isinstance(fields["json"], str):
+                fields["json"] = schema_dict(fields["json"], "structured_outputs.json")
+            given = [k for k, v in fields.items() if v not in (None, False)]
+            param = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
+            return structured_params(param, **fields)
+        if source == "guided_json":
+            return structured_params(source, json=schema_dict(self.guided_json, source))
+        kind = source.removeprefix("guided_")
+        return structured_params(source, **{kind: getattr(self, source)})
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not logit_bias:
+        return None
+    parsed: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {key!r}") from None
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token_id}")
+        parsed[token_id] = value
+    return parsed
+
+
+def check_logprobs(name: str, value: int | None) -> None:
+    # The upper bound is the server's --max-logprobs (default 20, OpenAI's limit),
+    # checked with the engine's limits; here only the sign.
+    if value is not None and value < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {value}")
