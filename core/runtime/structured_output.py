@@ -124,11 +124,18 @@ class SlotBitmask:
 
     def dense(self) -> torch.Tensor:
         """The same bitmask as a new ``[len(slots), words]`` tensor (see :func:`allocate_token_bitmask`)."""
-        slots = np.asarray(self.slots, dtype=np.intp)
-        out = np.full((len(slots), self.rows.shape[1]), -1, dtype=np.int32)
-        live = slots >= 0
-        out[live] = self.rows.numpy()[slots[live]]
-        return torch.from_numpy(out)
+        return gather_slot_rows(self.rows, self.slots)
+
+
+def gather_slot_rows(table: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    """A new ``[len(slots), words]`` int32 CPU tensor: row ``i`` is row ``slots[i]`` of the CPU
+    ``table``, or every token allowed (every bit set) where ``slots[i] < 0``. In numpy: it runs on
+    the calling thread, not split over torch's intra-op threads."""
+    slots = np.asarray(slots, dtype=np.intp)
+    out = np.full((len(slots), table.shape[1]), -1, dtype=np.int32)
+    live = slots >= 0
+    out[live] = table.numpy()[slots[live]]
+    return torch.from_numpy(out)
 
 
 def bitmask_slots(backend: object, grammars: Sequence[Grammar]) -> SlotBitmask | None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from runtime.sample.upload import upload
+from runtime.structured_output import gather_slot_rows
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
@@ -69,12 +70,9 @@ def takes_slots(op) -> bool:
 
 
 def _gather_slots(table: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    if table.device.type == "cpu":
+        return gather_slot_rows(table, slots)
     slots = np.asarray(slots, dtype=np.intp)
-    if table.device.type == "cpu":  # numpy: on this thread, not split over torch's intra-op threads
-        out = np.full((len(slots), table.shape[1]), -1, dtype=np.int32)
-        live = slots >= 0
-        out[live] = table.numpy()[slots[live]]
-        return torch.from_numpy(out)
     index = upload(np.maximum(slots, 0), torch.int64, table.device)
     keep = upload(slots < 0, torch.bool, table.device)
     return table[index].masked_fill(keep.unsqueeze(1), -1)
