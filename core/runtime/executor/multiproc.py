@@ -64,7 +64,7 @@ class WorkerProcesses:
         self.processes = []
         for rank in range(world_size):
             process = context.Process(
-                target=worker_proc.run_worker, args=(config, rank, init_method, self.socket.address, os.getpid()),
+                target=worker_proc.run_worker, args=(config, rank, init_method, self.socket.address, os.getpid(), dict(os.environ)),
                 name=f"Worker-{rank}", daemon=True,
             )
             process.start()

@@ -45,8 +45,15 @@ def is_alive(pid: int) -> bool:
     return True
 
 
-def run_worker(config, rank: int, init_method: str, address: str, parent_pid: int) -> None:
-    """Process entry point: build the worker, then serve the executor's calls."""
+def run_worker(config, rank: int, init_method: str, address: str, parent_pid: int, environ: dict[str, str] | None = None) -> None:
+    """Process entry point: build the worker, then serve the executor's calls.
+
+    ``environ`` is the starting process's environment: a worker forked from the fork server
+    would otherwise see the server's, as it was when the process's first engine started it.
+    """
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(asctime)s [worker {rank}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine decides when to stop
     sys.exit(build_and_serve(config, rank, init_method, address, parent_pid))

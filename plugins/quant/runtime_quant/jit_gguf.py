@@ -21,13 +21,13 @@ import triton.language as tl
 
 from runtime_quant.jit_gemm import store_tile, tile_offsets
 
-Q4_0: tl.constexpr = 2
-Q4_1: tl.constexpr = 3
-Q5_0: tl.constexpr = 6
-Q8_0: tl.constexpr = 8
-Q4_K: tl.constexpr = 12
-Q5_K: tl.constexpr = 13
-Q6_K: tl.constexpr = 14
+Q4_0 = tl.constexpr(2)
+Q4_1 = tl.constexpr(3)
+Q5_0 = tl.constexpr(6)
+Q8_0 = tl.constexpr(8)
+Q4_K = tl.constexpr(12)
+Q5_K = tl.constexpr(13)
+Q6_K = tl.constexpr(14)
 
 
 @triton.jit
