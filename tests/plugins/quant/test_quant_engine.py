@@ -83,5 +83,5 @@ def test_unquantized_layers_are_plain(tmp_path):
 
 def test_runtime_plugins_lists_the_quant_methods():
     rows = {row["name"]: row for row in collect()}
-    assert rows["quant"]["registered"]["quant_method"] == ["fp8", "int8", "compressed-tensors", "gptq", "awq"]
+    assert rows["quant"]["registered"]["quant_method"] == ["fp8", "int8", "compressed-tensors", "gptq", "awq", "gguf"]
     assert rows["quant"]["distribution"] == "runtime-plugin-quant"
