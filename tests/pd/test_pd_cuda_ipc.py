@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support.remote_server import SERVER_FLAGS, RemoteServer, free_port, wait_for
-from test_pd_serve import MAX_TOKENS, PROMPT, USAGE, Proxy, chat, completion
+from test_pd_serve import MAX_TOKENS, PROMPT, USAGE, Proxy, check_outputs_equal_a_single_server, completion
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,13 +59,7 @@ def pd(tiny_pd_model, tmp_path_factory):
 
 def test_completions_and_chats_equal_a_single_server(pd):
     prefill, _, proxy = pd
-    single, client = prefill.client(), proxy.client()  # the prefill instance answers plain requests as any server
-    expected = completion(single)
-    assert expected and completion(client) == expected
-    assert completion(client, stream=True) == expected
-    expected_chat = chat(single)
-    assert expected_chat and chat(client) == expected_chat
-    assert chat(client, stream=True) == expected_chat
+    check_outputs_equal_a_single_server(prefill, proxy)
 
 
 def test_the_decode_instance_computes_only_the_tail(pd):

@@ -99,8 +99,8 @@ def served_model(client) -> str:
     return client.models.list().data[0].id
 
 
-def test_completions_and_chats_equal_a_single_server(pd):
-    prefill, decode, proxy = pd
+def check_outputs_equal_a_single_server(prefill, proxy) -> None:
+    """Completions and chats through the proxy, streamed and not, equal the prefill instance's own."""
     single, client = prefill.client(), proxy.client()  # the prefill instance answers plain requests as any server
     expected = completion(single)
     assert expected and completion(client) == expected
@@ -108,6 +108,11 @@ def test_completions_and_chats_equal_a_single_server(pd):
     expected_chat = chat(single)
     assert expected_chat and chat(client) == expected_chat
     assert chat(client, stream=True) == expected_chat
+
+
+def test_completions_and_chats_equal_a_single_server(pd):
+    prefill, decode, proxy = pd
+    check_outputs_equal_a_single_server(prefill, proxy)
     assert proxy.client().models.list().data[0].id == served_model(decode.client())
 
 
