@@ -13,6 +13,11 @@ os.environ.pop("RUNTIME_PLUGINS", None)
 # This is the one place that chooses it.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.device_count() > 0 else "1")
 
+# The CPU platform compiles decode steps by default, seconds to a minute per engine start; the
+# suite starts hundreds of engines (and servers, which inherit this), so it runs them eagerly.
+# tests/cpu_fast turns compiling on where it checks the compiled path. An explicit value wins.
+os.environ.setdefault("RUNTIME_CPU_COMPILE", "0")
+
 
 @pytest.fixture(scope="session")
 def kernel_device() -> str:

@@ -1,7 +1,8 @@
 """Compiled decode steps on the CPU (issue 17): greedy tokens identical to transformers.
 
-``RUNTIME_CPU_COMPILE=1`` turns on the CPU platform's compiled decode path (inductor over
-the model's forward, attention run eagerly inside it through ``runtime::paged_attention``).
+The CPU platform compiles decode steps by default (inductor over the model's forward, the
+attention traced with plain tensor ops); the suite turns that off (tests/conftest.py) and these
+tests turn it back on with ``RUNTIME_CPU_COMPILE=1``.
 One engine per architecture keeps the compilations few (one graph each, its batch size
 symbolic): requests of different lengths make the decode batch shrink 4 -> 1, so decode
 steps of batch 1 and of larger batches run it; prefills and mixed steps stay eager. The
@@ -22,8 +23,10 @@ from runtime.testing.reference import check_logprobs_close, check_outputs_equal,
 NUM_NEW_TOKENS = 12
 LOGPROB_ATOL = 2e-3
 BASE = dict(dtype="float32", skip_tokenizer_init=True, max_num_seqs=4, block_size=4)
-# llama: llama3 RoPE, untied head; qwen3: q/k norms; gemma3: sliding windows, soft caps, Gemma norms.
+# llama: llama3 RoPE, untied head; qwen2: q/k/v biases, tied head; qwen3: q/k norms; gemma3: sliding
+# windows, soft caps, Gemma norms.
 SETTINGS = {
+    "qwen2": dict(),
     "llama": dict(enable_prefix_caching=True, max_num_batched_tokens=16, num_gpu_blocks_override=24, max_model_len=96),
     "qwen3": dict(async_scheduling=True),  # a step's input tokens forwarded from the previous step's sampling
     "gemma3": dict(enable_prefix_caching=True),
@@ -67,8 +70,9 @@ def test_compiled_decode_matches_transformers(arch, tmp_path_factory, monkeypatc
     gc.collect()
 
 
-@pytest.mark.parametrize("env, enforce_eager", [(None, False), ("1", True)])
-def test_compiling_is_opt_in_and_enforce_eager_turns_it_off(qwen3_path, monkeypatch, env, enforce_eager):
+@pytest.mark.parametrize("env, enforce_eager, compiled", [(None, False, True), ("0", False, False), ("1", True, False)])
+def test_compiling_is_on_by_default_and_off_with_the_setting_or_enforce_eager(qwen3_path, monkeypatch, env,
+                                                                              enforce_eager, compiled):
     if env is None:
         monkeypatch.delenv("RUNTIME_CPU_COMPILE", raising=False)
     else:
@@ -77,11 +81,16 @@ def test_compiling_is_opt_in_and_enforce_eager_turns_it_off(qwen3_path, monkeypa
     graphs = model_runner(llm).graphs
     if enforce_eager:
         assert graphs is None
+    elif compiled:
+        assert graphs.compiled is not None and graphs.shape(1, 1, 1) is not None
     else:  # the platform declined: every step runs eagerly, nothing was warmed up
         assert graphs.compiled is None and graphs.shape(1, 1, 1) is None and not graphs.replay_counts
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
-    assert not graphs or not graphs.replay_counts
+    if compiled:
+        assert graphs.replay_counts[1] == 2  # the two decode steps after the prefill
+    else:
+        assert not graphs or not graphs.replay_counts
 
 
 def test_compile_setting_is_validated(monkeypatch):

@@ -96,12 +96,15 @@ def reference_model(path, method: str):
     return model
 
 
-@pytest.mark.parametrize("method", ["int8_weight_only", "int4_weight_only"])
-def test_engine_matches_transformers_with_the_dequantized_weights(method, tmp_path_factory):
+# int4 also with compiled decode steps: the CPU platform's default, and the batch-1 fast path
+@pytest.mark.parametrize("method, compiled", [("int8_weight_only", False), ("int4_weight_only", False),
+                                              ("int4_weight_only", True)])
+def test_engine_matches_transformers_with_the_dequantized_weights(method, compiled, tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("RUNTIME_CPU_COMPILE", "1" if compiled else "0")
     path = build_untokenized_model("llama", tmp_path_factory.mktemp("llama"))
     prompts = make_prompts()[:4]
     expected = hf_greedy(reference_model(path, method), prompts, NUM_NEW_TOKENS)
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, quantization=method, enforce_eager=True)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, quantization=method, enforce_eager=not compiled)
     layer = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0].mlp.gate_up_proj
     assert not hasattr(layer, "weight") and type(layer.quant_method).__name__.lower().startswith(method[:4])
     assert llm.llm_engine.engine_core.executor.worker.model_runner.model.lm_head.quant_method is None  # float32 logits
@@ -110,6 +113,11 @@ def test_engine_matches_transformers_with_the_dequantized_weights(method, tmp_pa
     for i, ((tokens, steps), out) in enumerate(zip(expected, outputs)):
         check_logprobs_close_until_divergence(tokens, steps, out.outputs[0].token_ids, out.outputs[0].logprobs,
                                               atol=LOGPROB_ATOL, label=f"{method} prompt {i}")
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    if compiled:
+        assert graphs.compiled is not None and sum(graphs.replay_counts.values()) >= NUM_NEW_TOKENS - 1
+    else:
+        assert graphs is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an untied and a tied output layer

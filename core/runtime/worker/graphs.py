@@ -132,6 +132,7 @@ class DecodeGraphs:
         if self.compiled is None:  # the platform chose to run this model eagerly
             return
         self._warm_up_compiled(1, self.model)  # lazy state (e.g. rotary tables) created eagerly, not traced
+        logger.info("compiling decode steps (the first start of a model takes longest; later ones reuse the compiler's cache)")
         try:
             for size in sorted({1, min(2, self.sizes[-1])}):
                 self._warm_up_compiled(size, self.compiled)

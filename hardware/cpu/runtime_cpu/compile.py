@@ -8,10 +8,12 @@ directly. The batch size is symbolic (unbacked, so batch 1 is not specialized): 
 graph serves every decode batch. ``runtime.worker.graphs`` warms it at start-up and runs
 it for decode-only steps.
 
-Opt-in: ``RUNTIME_CPU_COMPILE=1`` turns it on (``0`` or unset: eager, as ``--enforce-eager``
-always is). Compiling costs about a minute per engine start on a 2-core machine with an
-empty cache and ~10 s with a filled one, which the test suite (hundreds of engines) cannot
-pay; ``benchmarks/RESULTS.md`` has the figures.
+On by default: the CPU platform compiles decode steps unless ``RUNTIME_CPU_COMPILE=0`` or
+``--enforce-eager``. Compiling costs about a minute at an engine's first start on a 2-core
+machine (the log says when it starts and how long it took) and ~10 s once inductor's cache
+holds the generated code; ``benchmarks/RESULTS.md`` has the figures. The test suite, which
+starts hundreds of engines, sets ``RUNTIME_CPU_COMPILE=0`` (tests/conftest.py) and compiles
+only in the tests that check the compiled path.
 Inductor's FX graph cache (on by default, under ``TORCHINDUCTOR_CACHE_DIR``, else
 ``/tmp/torchinductor_<user>``) keeps the generated C++ across processes, so a later start
 with the same model and settings skips the C++ compilation (dynamo still traces).
@@ -35,8 +37,8 @@ _counter = itertools.count()
 
 
 def compile_enabled() -> bool:
-    value = os.environ.get(COMPILE_ENV, "0").strip().lower()
-    if value not in ("0", "1", "false", "true", "no", "yes", ""):
+    value = (os.environ.get(COMPILE_ENV) or "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes"):
         raise ValueError(f"{COMPILE_ENV} must be 1 (compile decode steps) or 0 (eager), got {value!r}")
     return value in ("1", "true", "yes")
 
@@ -44,7 +46,7 @@ def compile_enabled() -> bool:
 def compile_model(model: torch.nn.Module):
     """The model's forward compiled with inductor (one graph, no breaks), or None when off."""
     if not compile_enabled():
-        logger.info("decode steps run eagerly (set %s=1 to compile them)", COMPILE_ENV)
+        logger.info("decode steps run eagerly (%s=0)", COMPILE_ENV)
         return None
     if tp_size() > 1:
         logger.info("decode steps run eagerly: tensor-parallel all-reduces are not compiled")

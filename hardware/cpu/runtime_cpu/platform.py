@@ -56,8 +56,7 @@ class CpuPlatform(Platform):
         if num_threads:
             torch.set_num_threads(num_threads)
 
-    # Decode steps may run compiled (runtime_cpu.compile): opt-in with RUNTIME_CPU_COMPILE=1,
-    # never with --enforce-eager (see the module's docstring for why it is not on by default).
+    # Decode steps run compiled (runtime_cpu.compile) unless RUNTIME_CPU_COMPILE=0 or --enforce-eager.
     supports_graphs = True
     compiles_graphs = True
 
