@@ -51,6 +51,7 @@ def test_compiled_decode_matches_transformers(arch, tmp_path_factory, monkeypatc
     llm = LLM(path, **BASE, **SETTINGS[arch])
     graphs = model_runner(llm).graphs
     assert graphs is not None and graphs.compiled is not None
+    assert graphs.compiled.calls_graph_directly  # past dynamo's frame (runtime_cpu.compile._direct_call)
     assert llm.llm_engine.engine_core.async_scheduling == SETTINGS[arch].get("async_scheduling", False)
     lengths = [NUM_NEW_TOKENS - len(prompts) + 1 + i for i in range(len(prompts))]  # the last ones decode alone
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5) for n in lengths]
