@@ -11,6 +11,7 @@ from runtime.config import EngineConfig
 from runtime.messages import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.model_runner import ModelRunner
 from runtime.worker.pending import PendingOutput
+from runtime.worker.profiling import step_profiler
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Worker:
             )
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.platform, self.device)
+        self.profiler = step_profiler(rank)  # RUNTIME_TORCH_PROFILER_DIR
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -63,7 +65,11 @@ class Worker:
         return self.launch(scheduler_output).result()
 
     def launch(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        if self.profiler is not None:
+            self.profiler.before_step()
         pending = self.model_runner.launch(scheduler_output)
+        if self.profiler is not None:
+            self.profiler.after_step()
         report = getattr(self.model_runner.kv_connector, "get_connector_output", None)
         return pending if report is None else ReportedOutput(pending, report())
 
