@@ -1,13 +1,17 @@
 """GGUF layers on the CPU, their weights kept packed in memory.
 
-- :func:`int4_prepare` / :func:`int4_mm`: Q4_0, Q4_1 and Q4_K (4-bit codes, one scale and
-  offset per 32 inputs) in a 16-bit model become torch's int4 tiles
-  (``_weight_int4pack_mm_for_cpu``, groups of 32): ``w = (q - 8) * s + z`` with ``s`` the
-  block's scale and ``z = offset + s * (8 - zero)``, both rounded to the model's dtype. The
-  codes are exact; the scales are exact in float16 for Q4_0 (``d`` is a float16), otherwise
-  rounded once to the model dtype (as dequantizing at load rounds every weight). Above
-  :data:`INT4_MAX_ROWS` rows (prefill) the tiles are dequantized a slice at a time into the
-  model's dtype and multiplied densely, which torch does faster than its int4 kernel there.
+- :class:`Int4Part`: Q4_0, Q4_1 and Q4_K (4-bit codes, one scale and offset per 32 inputs) in
+  a 16-bit model keep their codes at 4 bits, with a 16-bit scale and offset per 32 inputs:
+  - bfloat16 on a CPU with AVX-512 BF16: panels of 32 output columns for the kernel of
+    :mod:`runtime_quant.gguf_cpu_panels` (faster than a bf16 matmul of the dequantized weights at
+    every row count; above 24 rows it multiplies the bf16 path's own weights for Q4_0 / Q4_1);
+  - otherwise torch's int4 tiles (``_weight_int4pack_mm_for_cpu``, groups of 32):
+    ``w = (q - 8) * s + z`` with ``s`` the block's scale and ``z = offset + s * (8 - zero)``,
+    both rounded to the model's dtype. Above :data:`INT4_MAX_ROWS` rows (prefill) the tiles are
+    dequantized a slice at a time into the model's dtype and multiplied densely, which torch
+    does faster than its int4 kernel there.
+  The codes are exact; the scales are exact in float16 for Q4_0 and Q4_1 (``d`` and ``m`` are
+  float16), otherwise rounded once (as dequantizing at load rounds every weight).
 - :class:`SlicedPart`: every other type, and float32 models: the raw blocks stay as stored and
   are dequantized (gguf-py's float32 values) a few rows at a time into the activations' dtype
   for a dense matmul, at each call.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime_quant import gguf_cpu_panels as panels
 from runtime_quant.gguf_blocks import BlockType, decode, dequantize
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: smaller elementwise ops are not split over threads
@@ -36,23 +41,36 @@ def int4_supports(t: BlockType, rows: int, dtype: torch.dtype) -> bool:
 
 
 class Int4Part:
-    """A run of output rows in torch's int4 tiles: ``tiles`` uint8 [rows, in / 2] and
-    ``scales_and_zeros`` [in / 32, rows, 2] in the model's dtype."""
+    """A run of output rows at 4 bits: either panels (``codes`` uint8 [rows / 32, in / 32, 16,
+    32], ``scales`` and ``zeros`` float16 [in / 32, rows]; see :mod:`runtime_quant.gguf_cpu_panels`)
+    or torch's int4 tiles (``tiles`` uint8 [rows, in / 2], ``scales_and_zeros`` [in / 32, rows, 2]
+    in the model's dtype)."""
 
     def __init__(self, raw: torch.Tensor, t: BlockType, dtype: torch.dtype):
         codes, scale, offset = decode(raw, t)  # [rows, in] uint8, [rows, in / 32] float32 x2
-        zeros = scale * (8 - t.zero) + (offset if offset is not None else 0)
-        self.tiles = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        self.scales_and_zeros = torch.stack([scale.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         self.rows, self.in_features = raw.shape[0], codes.shape[1]
+        offset = offset if offset is not None else torch.zeros_like(scale)
+        zero = offset - scale * t.zero  # w = scale * q + zero
+        self.is_panels = bool(dtype == torch.bfloat16 and self.rows % panels.PANEL == 0 and panels.available()
+                              and torch.isfinite(scale.half()).all() and torch.isfinite(zero.half()).all())
+        if self.is_panels:
+            self.codes, self.scales, self.zeros = panels.pack(codes, scale, zero)
+            return
+        self.tiles = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        self.scales_and_zeros = torch.stack([scale.t(), (zero + 8 * scale).t()], dim=-1).to(dtype).contiguous()
 
     def params(self) -> dict[str, torch.Tensor]:
+        if self.is_panels:
+            return {"codes": self.codes, "scales": self.scales, "zeros": self.zeros}
         return {"tiles": self.tiles, "scales_and_zeros": self.scales_and_zeros}
 
     def nbytes(self) -> int:
-        return self.tiles.nbytes + self.scales_and_zeros.nbytes
+        return sum(t.nbytes for t in self.params().values())
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.is_panels:
+            out.copy_(panels.panels_mm(x.to(torch.bfloat16), self.codes, self.scales, self.zeros))
+            return
         sz = self.scales_and_zeros if x.dtype == self.scales_and_zeros.dtype else self.scales_and_zeros.to(x.dtype)
         if x.shape[0] <= INT4_MAX_ROWS or self.rows % TILE_ROWS:
             out.copy_(torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.tiles, INT4_GROUP, sz))
