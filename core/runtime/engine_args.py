@@ -305,9 +305,6 @@ def build_parallel_config(args: EngineArgs) -> ParallelConfig:
     if world_size > 1 and executor == "uniproc":
         executor = "multiproc"
     offload = bool(args.kv_offload) or _names_offloading_connector(args.kv_transfer_config)
-    if args.pipeline_parallel_size > 1 and offload:
-        raise ValueError(f"--kv-offload runs with tensor parallelism, not yet with pipeline parallelism "
-                         f"(pipeline_parallel_size {args.pipeline_parallel_size})")
     if world_size > 1 and args.kv_transfer_config and not offload:
         raise ValueError(f"--kv-transfer-config runs with one worker only for now, got {world_size} (tensor x pipeline parallel)")
     return ParallelConfig(args.tensor_parallel_size, executor, args.pipeline_parallel_size, args.data_parallel_size)

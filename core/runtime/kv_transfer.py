@@ -112,7 +112,7 @@ class KVTier(Protocol):
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"  # vLLM's name for the offload tiers' connector
 PREEMPTION_MODES = ("recompute", "swap")
-OFFLOAD_EXECUTORS = ("uniproc", "multiproc", "uni", "mp")  # the executors offload is tested on (and vLLM's names)
+OFFLOAD_EXECUTORS = ("uniproc", "multiproc", "ray", "uni", "mp")  # the executors offload is tested on (and vLLM's names)
 EVICTION_POLICIES = ("lru", "arc")
 DEFAULT_TIER_SIZES = {"cpu": 4 << 30, "disk": 32 << 30}  # bytes, when --kv-offload-size leaves one out
 _UNITS = {"": 1 << 30, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
@@ -213,7 +213,7 @@ def resolve_kv_offload(args: Any) -> dict[str, Any] | None:
 
     Errors name the bad value and the valid ones: an unknown tier, a bad size, more sizes
     than tiers, an unwritable directory, an unknown policy; offload needs prefix caching
-    (block hashes) and the uniproc or multiproc executor, swap preemption needs a cpu tier.
+    (block hashes) and the uniproc, multiproc or ray executor, swap preemption needs a cpu tier.
     """
     transfer = parse_transfer_config(args.kv_transfer_config) if args.kv_transfer_config else None
     if transfer is not None and transfer["kv_connector"] != OFFLOADING_CONNECTOR:
@@ -225,7 +225,7 @@ def resolve_kv_offload(args: Any) -> dict[str, Any] | None:
     if resolved is not None and not args.enable_prefix_caching:
         raise ValueError("--kv-offload addresses blocks by their prefix-cache hashes: it needs enable_prefix_caching")
     if resolved is not None and args.executor not in OFFLOAD_EXECUTORS:
-        raise ValueError(f"--kv-offload runs with the {' or '.join(OFFLOAD_EXECUTORS[:2])} executor only for now, "
+        raise ValueError(f"--kv-offload runs with the {', '.join(OFFLOAD_EXECUTORS[:3])} executors only for now, "
                          f"got executor {args.executor!r}")
     return resolved
 

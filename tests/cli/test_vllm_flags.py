@@ -55,15 +55,14 @@ def test_more_than_one_worker_defaults_to_the_multiproc_executor(tmp_path):
     assert config.parallel_config.executor == "mp"
 
 
-def test_kv_offload_runs_with_tensor_parallelism_and_is_refused_with_pipeline_stages(tmp_path):
+def test_kv_offload_runs_with_tensor_and_pipeline_parallelism_and_the_ray_executor(tmp_path):
     from runtime.testing.models import build_untokenized_model
 
     model = build_untokenized_model("llama", tmp_path)
-    config = engine_args_from_namespace(parse_serve("-tp", "2", "--kv-offload", "cpu"), model=model).create_engine_config()
-    assert config.parallel_config.executor == "multiproc" and config.cache_config.kv_offload == ("cpu",)
-    args = parse_serve("-pp", "2", "--kv-offload", "cpu")
-    with pytest.raises(ValueError, match="--kv-offload runs with tensor parallelism, not yet with pipeline parallelism"):
-        engine_args_from_namespace(args, model=model).create_engine_config()
+    for argv, executor in [(("-tp", "2"), "multiproc"), (("-pp", "2"), "multiproc"), (("-tp", "2", "-pp", "2"), "multiproc"),
+                           (("-tp", "2", "--distributed-executor-backend", "ray"), "ray")]:
+        config = engine_args_from_namespace(parse_serve(*argv, "--kv-offload", "cpu"), model=model).create_engine_config()
+        assert config.parallel_config.executor == executor and config.cache_config.kv_offload == ("cpu",), argv
 
 
 def test_unsupported_tokenizer_mode_lists_the_valid_ones(capsys):

@@ -1,9 +1,9 @@
 """The offloading connector's scheduler half: tier lookups, promotions, loads and saves per step.
 
-One scheduler half serves every worker rank (with tensor parallelism each rank keeps its
-shard of the KV heads in tiers of its own). It decides by its index
-(:mod:`runtime_kv_offload.index`) which cpu slot each save writes and each load reads, on
-every rank alike. A block found only in a lower tier (disk) is first promoted: every rank
+One scheduler half serves every worker rank (with tensor or pipeline parallelism each rank
+keeps its part of each block, its shard of its stage's layers, in tiers of its own). It
+decides by its index (:mod:`runtime_kv_offload.index`) which cpu slot each save writes and
+each load reads, on every rank alike. A block found only in a lower tier (disk) is first promoted: every rank
 reads it into memory and checks it, the request waiting meanwhile (an asynchronous load, as
 for a remote engine); the step's reports say whether all ranks could, and a block that one
 rank could not read is a miss, recomputed.

@@ -1,13 +1,14 @@
 """The offloading connector's worker half: this rank's tiers and its block copies.
 
-Every rank (one, or each of a tensor-parallel engine's) holds its own shard of the KV heads:
-its own cpu pool, its own disk files. The scheduler half chooses the slots; each step's
-metadata is run in order: saves of blocks this step reuses (``saves_first``), promotions
-(lower tier -> memory, on the background thread, awaited and reported), loads, before the
-forward pass; saves of finished requests' blocks (held by the scheduler) overlap the forward
-pass and are awaited by :meth:`wait_for_save`. Writing through to the disk tier runs on the
-background thread, in order with the promotions (a block is read only after it was written),
-and a cpu slot is not overwritten before its write has read it.
+Every rank (one, or each of a tensor- or pipeline-parallel engine's) holds its own part of
+each block (its shard of the KV heads of its stage's layers): its own cpu pool, its own disk
+files. The scheduler half chooses the slots; each step's metadata is run in order: saves of
+blocks this step reuses (``saves_first``), promotions (lower tier -> memory, on the background
+thread, awaited and reported), loads, before the forward pass; saves of finished requests'
+blocks (held by the scheduler) overlap the forward pass and are awaited by
+:meth:`wait_for_save`. Writing through to the disk tier runs on the background thread, in
+order with the promotions (a block is read only after it was written), and a cpu slot is not
+overwritten before its write has read it.
 
 On a GPU the copies run on a side CUDA stream: it waits for the work queued so far (the
 blocks were written by earlier forward passes), the forward pass waits for the loads with
@@ -44,13 +45,21 @@ def build_tiers(config, block_bytes: int, layout_key: str, pin: bool) -> list[tu
     return tiers
 
 
+def rank_suffix(state) -> str:
+    """What tells this rank's tier files from the other ranks': its shard of the KV heads
+    (``-tp2-rank1``) and its pipeline stage's layers (``-pp2-stage1``)."""
+    suffix = f"-tp{state.tp_size}-rank{state.tp_rank}" if state.tp_size > 1 else ""
+    return suffix + (f"-pp{state.pp_size}-stage{state.pp_rank}" if state.pp_size > 1 else "")
+
+
 class OffloadingConnectorWorker:
     def __init__(self, config):
-        from runtime.distributed.parallel_state import tp_rank
+        from runtime.distributed.parallel_state import get_parallel_state
 
         self.config = config
         self.world_size = config.parallel_config.world_size
-        self.rank = tp_rank()
+        self.state = get_parallel_state()  # this rank's place: its stage's layers, its shard of their heads
+        self.rank = self.state.rank
         self.copier: BlockCopier | None = None
         self.cpu = None  # this rank's cpu tier (its pool; the scheduler half picks the slots)
         self.lower: list[tuple[str, object]] = []  # the other tiers, in chain order
@@ -68,9 +77,7 @@ class OffloadingConnectorWorker:
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int = 1) -> None:
         self.copier = BlockCopier(kv_caches, block_dim)
         is_cuda = kv_caches[0].is_cuda
-        key = self.copier.layout_key(self.config.model_config.model)
-        if self.world_size > 1:
-            key += f"-tp{self.world_size}-rank{self.rank}"  # this rank's shard of the KV heads
+        key = self.copier.layout_key(self.config.model_config.model) + rank_suffix(self.state)
         tiers = build_tiers(self.config, self.copier.block_bytes, key, pin=is_cuda)
         self.cpu = next((tier for _, tier in tiers if hasattr(tier, "reserve_slot")), None)
         self.lower = [(name, tier) for name, tier in tiers if tier is not self.cpu]
