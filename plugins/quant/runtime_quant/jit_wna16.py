@@ -56,6 +56,30 @@ def _group_row(ptr, k0, GROUP_ROWS, stride_sg, offs_n, n_ok):
 
 
 @triton.jit
+def store_split_k(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, rows, offs_n, m_ok, n_ok, N, stride_om,
+                  num_splits, HAS_BIAS: tl.constexpr):
+    """A GEMV program's sums ``acc`` [BLOCK_M, BLOCK_N] of its K range (program (column block, split)):
+    the output tile directly when there is one split; else its partial sums into ``part_ptr``
+    [num_splits, BLOCK_M, N], and the last split to finish its column block (the counter at
+    ``lock_ptr``, which it resets) adds them in split order and stores the tile. ``num_splits``
+    may be a constexpr (one compiled branch) or a runtime value (fewer compiled variants)."""
+    if num_splits == 1:
+        store_tile(acc, out_ptr, bias_ptr, rows, offs_n, m_ok, n_ok, stride_om, HAS_BIAS)
+    else:
+        BLOCK_M: tl.constexpr = acc.shape[0]
+        pid_n = tl.program_id(0)
+        tl.store(part_ptr + (rows + tl.program_id(1) * BLOCK_M)[:, None] * N + offs_n[None, :], acc, mask=n_ok[None, :])
+        tl.debug_barrier()  # every thread's partial sums are out before the counter moves
+        if tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel") == num_splits - 1:
+            total = tl.zeros_like(acc)
+            for s in range(num_splits):
+                total += tl.load(part_ptr + (rows + s * BLOCK_M)[:, None] * N + offs_n[None, :],
+                                 mask=n_ok[None, :], other=0.0, cache_modifier=".cg")
+            store_tile(total, out_ptr, bias_ptr, rows, offs_n, m_ok, n_ok, stride_om, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call
+
+
+@triton.jit
 def wna16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, GROUP_ROWS, K_PER_SPLIT,
@@ -86,18 +110,8 @@ def wna16_gemv_kernel(
             xq = tl.sum(tl.sum(x[:, :, None] * codes, axis=1), axis=0)  # [BLOCK_N]
             part = scale * (xq - zero * tl.sum(tl.sum(x, axis=1), axis=0))
             acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
-    if SPLIT_K == 1:
-        store_tile(acc, out_ptr, bias_ptr, rows, offs_n, m_ok, n_ok, stride_om, HAS_BIAS)
-    else:
-        tl.store(part_ptr + (pid_k * BLOCK_M + rows)[:, None] * N + offs_n[None, :], acc, mask=n_ok[None, :])
-        tl.debug_barrier()  # every thread's partial sums are out before the counter moves
-        if tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptr + (s * BLOCK_M + rows)[:, None] * N + offs_n[None, :],
-                                 mask=n_ok[None, :], other=0.0, cache_modifier=".cg")
-            store_tile(total, out_ptr, bias_ptr, rows, offs_n, m_ok, n_ok, stride_om, HAS_BIAS)
-            tl.atomic_xchg(lock_ptr + pid_n, 0)  # ready for the next call
+    store_split_k(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, rows, offs_n, m_ok, n_ok, N, stride_om,
+                  SPLIT_K, HAS_BIAS)
 
 
 @triton.jit
