@@ -16,11 +16,14 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 
 HELLO_SEQ = -1  # the reply that says the worker is built (or why it could not be)
 SHUTDOWN = "shutdown"
+EXECUTE_MODEL = "execute_model"
 PARENT_POLL_MS = 1000
+IN_FLIGHT_POLL_S = 20e-6  # how often a worker with a step on the device looks for its end or the next call
 
 
 def identity(rank: int) -> bytes:
@@ -90,9 +93,25 @@ def build_and_serve(
 
 def serve(worker, sock, rank: int, parent_pid: int | None) -> int:
     """Run calls until ``shutdown`` (exit code 0) or until the parent process is gone (1);
-    ``parent_pid`` None: not watched (a cluster's actors end with their owner)."""
+    ``parent_pid`` None: not watched (a cluster's actors end with their owner).
+
+    A step is launched and answered once its sampled tokens are back, but the next step may be
+    launched first: with async scheduling the engine sends step N+1 before it waits for step
+    N's output, and launching it while N still runs on the device (queued behind it) keeps
+    the device busy through the host's work between steps. At most two steps are in flight,
+    as the step buffers allow; any other call first waits for the step in flight.
+    """
+    in_flight = None  # (seq, wants_reply, pending output) of the launched step not answered yet
     while True:
-        if not sock.poll(PARENT_POLL_MS):
+        if in_flight is not None:
+            if in_flight[2].ready():  # done (a CPU step is done when launched): answer it first
+                _answer(sock, rank, *in_flight)
+                in_flight = None
+                continue
+            if not sock.poll(0):
+                time.sleep(IN_FLIGHT_POLL_S)
+                continue
+        elif not sock.poll(PARENT_POLL_MS):
             if parent_pid is not None and not is_alive(parent_pid):
                 logging.getLogger(__name__).warning("the engine process %d is gone; worker %d exits", parent_pid, rank)
                 return 1
@@ -100,6 +119,19 @@ def serve(worker, sock, rank: int, parent_pid: int | None) -> int:
         flag, data = sock.recv_multipart()
         wants_reply = flag == b"1"
         seq, method, args, kwargs = pickle.loads(data)
+        if method == EXECUTE_MODEL:
+            try:
+                launched = (seq, wants_reply, worker.launch(*args, **kwargs))
+            except Exception:  # noqa: BLE001 - the executor raises it, naming this rank
+                launched = None
+                reply(sock, seq, rank, False, traceback.format_exc())
+            if in_flight is not None:
+                _answer(sock, rank, *in_flight)  # the previous step, now that the next one is queued
+            in_flight = launched
+            continue
+        if in_flight is not None:
+            _answer(sock, rank, *in_flight)
+            in_flight = None
         if method == SHUTDOWN:
             try:
                 worker.shutdown()
@@ -116,3 +148,14 @@ def serve(worker, sock, rank: int, parent_pid: int | None) -> int:
             continue
         if wants_reply:
             reply(sock, seq, rank, True, result)
+
+
+def _answer(sock, rank: int, seq: int, wants_reply: bool, pending) -> None:
+    """Wait for a launched step's output and send it (or its error) if the executor asked for it."""
+    try:
+        output = pending.result()
+    except Exception:  # noqa: BLE001 - the executor raises it, naming this rank
+        reply(sock, seq, rank, False, traceback.format_exc())
+        return
+    if wants_reply:
+        reply(sock, seq, rank, True, output)

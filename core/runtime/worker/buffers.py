@@ -103,6 +103,10 @@ class TokenDownload:
         self.host = host
         self.event = event
 
+    def ready(self) -> bool:
+        """Whether ``wait()`` would return at once."""
+        return self.event is None or self.event.query()
+
     def wait(self) -> torch.Tensor:
         if self.event is not None:
             self.event.synchronize()

@@ -26,6 +26,10 @@ class PendingOutput:
         pending.output = output
         return pending
 
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting for the device."""
+        return self.output is not None or self.download.ready()
+
     def result(self) -> ModelRunnerOutput:
         if self.output is None:
             host = self.download.wait()

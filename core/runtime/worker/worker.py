@@ -104,6 +104,9 @@ class ReportedOutput:
         self.pending = pending
         self.report = report
 
+    def ready(self) -> bool:
+        return self.pending.ready()
+
     def result(self) -> ModelRunnerOutput:
         output = self.pending.result()
         output.kv_connector_outputs = [self.report]
