@@ -11,9 +11,10 @@ bytes of low nibbles and 16 of high bit pairs). :func:`_pieces` reads a step as 
 the low and the high nibbles (Q8_0: the two halves) of each run: weights [BLOCK_N, A, I] and the
 inputs ``kk`` [A, I] they multiply, each run contiguous in K and inside one sub-block. Code
 bytes are loaded as runs of consecutive bytes per row (vector loads where the block's alignment
-allows: 16 bytes for Q4_1 / Q4_K / Q5_K, 2 for the others) and each scale field once per run; a
-code costs a shift or mask, an OR and a subtraction (:func:`_as_float`), then
-``scale * q + offset`` in gguf-py's order of operations (a compiler may fuse the multiply-add).
+allows: 16 bytes for Q4_1 / Q4_K / Q5_K, 2 for the others) and each scale field once per run.
+A code is moved to the top of a float's mantissa (a shift and a mask: ``1 + code / 2**bits``)
+and turned into its weight by one fused multiply-add (:func:`_weights`); the GEMM's weights
+are gguf-py's bit for bit.
 
 - :func:`gguf_gemv_kernel` (decode, up to 4 rows of ``x``, all in one program so the weights are
   read once): products summed per weight position across the program's K steps, in float32,
@@ -41,10 +42,30 @@ Q6_K = tl.constexpr(14)
 
 
 @triton.jit
-def _as_float(code, ZERO: tl.constexpr):
-    """``code - ZERO`` as float32, exactly, for int32 codes in [0, 2**23): the code as a float's
-    mantissa (2**23 + code), less 2**23 + ZERO (an OR and a subtraction, no int-to-float convert)."""
-    return (code | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + ZERO)
+def _bits_at(bits, SHIFT: tl.constexpr, WIDTH: tl.constexpr, AT: tl.constexpr):
+    """Bits ``SHIFT .. SHIFT + WIDTH`` of the int32 ``bits`` moved to bits ``AT .. AT + WIDTH`` (the rest 0)."""
+    if AT >= SHIFT:
+        moved = bits << (AT - SHIFT)
+    else:
+        moved = bits >> (SHIFT - AT)
+    return moved & (((1 << WIDTH) - 1) << AT)
+
+
+@triton.jit
+def _weights(mantissa, scale, offset, BITS: tl.constexpr, ZERO: tl.constexpr, EXACT: tl.constexpr):
+    """gguf-py's weights ``scale * (code - ZERO) + offset`` from a ``BITS``-bit code placed at the top of
+    a float's mantissa (``mantissa`` [BLOCK_N, A, I]: the float is ``v = 1 + code / 2**BITS``); ``scale``
+    and ``offset`` per run [BLOCK_N, A]. A fused multiply-add ``v * scale 2**BITS - scale (2**BITS + ZERO)``
+    gives ``scale * (code - ZERO)`` rounded once, as gguf-py (the constant is exact: a float16 times a
+    few bits); ``EXACT`` then adds the offset as gguf-py does, else it is folded into the constant (one
+    instruction less, a rounding of the constant: ~1e-7 of the weights)."""
+    v = (mantissa | 0x3F800000).to(tl.float32, bitcast=True)
+    a = (scale * (1 << BITS))[:, :, None].broadcast_to(v.shape)
+    if EXACT:
+        c = (-(scale * ((1 << BITS) + ZERO)))[:, :, None].broadcast_to(v.shape)
+        return tl.fma(v, a, c) + offset[:, :, None]
+    c = (offset - scale * ((1 << BITS) + ZERO))[:, :, None].broadcast_to(v.shape)
+    return tl.fma(v, a, c)
 
 
 @triton.jit
@@ -72,18 +93,11 @@ def _k_scale_min(s_ptr, j, mask):
 
 
 @triton.jit
-def _scaled(q, scale, offset, HAS_OFFSET: tl.constexpr):
-    """gguf-py's weights ``scale * q (+ offset)``: codes [BLOCK_N, A, I], scale and offset per run [BLOCK_N, A]."""
-    w = scale[:, :, None] * q
-    if HAS_OFFSET:
-        w = w + offset[:, :, None]
-    return w
-
-
-@triton.jit
-def _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE: tl.constexpr, A: tl.constexpr):
+def _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE: tl.constexpr, A: tl.constexpr,
+            EXACT: tl.constexpr):
     """Units ``u0 .. u0 + A`` of rows at byte offsets ``rows_b`` [BLOCK_N] as two pieces ``(w, kk)``:
-    weights [BLOCK_N, A, I] and their inputs [A, I] (see the module docstring; 0 past the row)."""
+    weights [BLOCK_N, A, I] and their inputs [A, I] (see the module docstring; 0 past the row);
+    ``EXACT``: gguf-py's values bit for bit, also for the types with an offset (see :func:`_weights`)."""
     u = u0 + tl.arange(0, A)
     ok = n_ok[:, None] & (u < num_units)[None, :]  # [BLOCK_N, A]
     if TYPE == Q4_0 or TYPE == Q4_1 or TYPE == Q5_0 or TYPE == Q8_0:  # unit = block of 32
@@ -92,41 +106,42 @@ def _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE: tl.constexpr, A: 
         block = rows_b[:, None] + (u * NBYTES)[None, :]  # [BLOCK_N, A] byte offset
         d = _f16(w16_ptr, block // 2, ok)
         kk = u[:, None] * 32 + i[None, :]
-        if TYPE == Q8_0:
-            q0 = _as_float(_run_bytes(w_ptr, block + 2, i, ok) ^ 128, 128)  # int8 + 128
-            q1 = _as_float(_run_bytes(w_ptr, block + 18, i, ok) ^ 128, 128)
+        if TYPE == Q8_0:  # int8 codes: code - 128 stored
+            w0 = _weights(_bits_at(_run_bytes(w_ptr, block + 2, i, ok) ^ 128, 0, 8, 15), d, 0.0, 8, 128, False)
+            w1 = _weights(_bits_at(_run_bytes(w_ptr, block + 18, i, ok) ^ 128, 0, 8, 15), d, 0.0, 8, 128, False)
         elif TYPE == Q5_0:
             qs = _run_bytes(w_ptr, block + 6, i, ok)  # byte i: inputs i (low nibble), i + 16 (high)
             qh = (tl.load(w16_ptr + block // 2 + 1, mask=ok, other=0).to(tl.int32) & 0xFFFF) | (
                 tl.load(w16_ptr + block // 2 + 2, mask=ok, other=0).to(tl.int32) << 16)  # bit j: input j
-            q0 = _as_float((qs & 15) | (((qh[:, :, None] >> i[None, None, :]) & 1) << 4), 16)
-            q1 = _as_float((qs >> 4) | (((qh[:, :, None] >> (i + 16)[None, None, :]) & 1) << 4), 16)
+            qh = qh[:, :, None] >> i[None, None, :]  # bits i and i + 16 at 0 and 16
+            w0 = _weights(_bits_at(qs, 0, 4, 18) | _bits_at(qh, 0, 1, 22), d, 0.0, 5, 16, False)
+            w1 = _weights(_bits_at(qs, 4, 4, 18) | _bits_at(qh, 16, 1, 22), d, 0.0, 5, 16, False)
         else:
             qs = _run_bytes(w_ptr, block + (NBYTES - 16), i, ok)
             ZERO: tl.constexpr = 8 if TYPE == Q4_0 else 0
-            q0 = _as_float(qs & 15, ZERO)
-            q1 = _as_float(qs >> 4, ZERO)
-        m = _f16(w16_ptr, block // 2 + 1, ok) if TYPE == Q4_1 else d
-        return _scaled(q0, d, m, TYPE == Q4_1), kk, _scaled(q1, d, m, TYPE == Q4_1), kk + 16
+            m = _f16(w16_ptr, block // 2 + 1, ok) if TYPE == Q4_1 else 0.0
+            w0 = _weights(_bits_at(qs, 0, 4, 19), d, m, 4, ZERO, EXACT and TYPE == Q4_1)
+            w1 = _weights(_bits_at(qs, 4, 4, 19), d, m, 4, ZERO, EXACT and TYPE == Q4_1)
+        return w0, kk, w1, kk + 16
     elif TYPE == Q4_K or TYPE == Q5_K:  # unit = 64-input chunk c of a super-block: byte l at inputs l, l + 32
         NBYTES: tl.constexpr = 144 if TYPE == Q4_K else 176
         i = tl.arange(0, 32)
         c = u % 4
         block = rows_b[:, None] + (u // 4 * NBYTES)[None, :]
         qs = _run_bytes(w_ptr, block + (NBYTES - 128) + (c * 32)[None, :], i, ok)
-        lo = qs & 15
-        hi = qs >> 4
-        if TYPE == Q5_K:  # bit s of byte l: input 32 s + l
-            qh = _run_bytes(w_ptr, block + 16, i, ok) >> (2 * c)[None, :, None]
-            lo = lo | ((qh & 1) << 4)
-            hi = hi | ((qh & 2) << 3)
         d = _f16(w16_ptr, block // 2, ok)
         dmin = _f16(w16_ptr, block // 2 + 1, ok)
         sc0, mn0 = _k_scale_min(w_ptr + block + 4, (2 * c)[None, :], ok)
         sc1, mn1 = _k_scale_min(w_ptr + block + 4, (2 * c + 1)[None, :], ok)
         kk = (u // 4 * 256 + c * 64)[:, None] + i[None, :]
-        return (_scaled(_as_float(lo, 0), d * sc0, -(dmin * mn0), True), kk,
-                _scaled(_as_float(hi, 0), d * sc1, -(dmin * mn1), True), kk + 32)
+        if TYPE == Q4_K:
+            w0 = _weights(_bits_at(qs, 0, 4, 19), d * sc0, -(dmin * mn0), 4, 0, EXACT)
+            w1 = _weights(_bits_at(qs, 4, 4, 19), d * sc1, -(dmin * mn1), 4, 0, EXACT)
+        else:  # bit s of qh byte l: input 32 s + l
+            qh = _run_bytes(w_ptr, block + 16, i, ok) >> (2 * c)[None, :, None]
+            w0 = _weights(_bits_at(qs, 0, 4, 18) | _bits_at(qh, 0, 1, 22), d * sc0, -(dmin * mn0), 5, 0, EXACT)
+            w1 = _weights(_bits_at(qs, 4, 4, 18) | _bits_at(qh, 1, 1, 22), d * sc1, -(dmin * mn1), 5, 0, EXACT)
+        return w0, kk, w1, kk + 32
     else:  # Q6_K, unit (h, g, e): ql bytes 64 h + 32 g + 16 e + i, qh bytes 128 + 32 h + 16 e + i
         i = tl.arange(0, 16)
         h = (u // 4) % 2
@@ -135,20 +150,38 @@ def _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE: tl.constexpr, A: 
         block = rows_b[:, None] + (u // 8 * 210)[None, :]
         ql = _run_bytes(w_ptr, block + (64 * h + 32 * g + 16 * e)[None, :], i, ok)
         qh = _run_bytes(w_ptr, block + (128 + 32 * h + 16 * e)[None, :], i, ok) >> (2 * g)[None, :, None]
-        q0 = _as_float((ql & 15) | ((qh & 3) << 4), 32)  # inputs 128 h + 32 g + 16 e + i
-        q1 = _as_float((ql >> 4) | (qh & 48), 32)  # those + 64: bit pair 2 g + 4
         d = _f16(w16_ptr, block // 2 + 104, ok)
         sub = (8 * h + 2 * g + e)[None, :]  # sub-blocks of 16 inputs
         sc0 = tl.load(w_ptr + block + 192 + sub, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         sc1 = tl.load(w_ptr + block + 196 + sub, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
         kk = (u // 8 * 256 + h * 128 + g * 32 + e * 16)[:, None] + i[None, :]
-        return _scaled(q0, d * sc0, d, False), kk, _scaled(q1, d * sc1, d, False), kk + 64
+        # inputs 128 h + 32 g + 16 e + i: low nibbles and bit pair 2 g; those + 64: high nibbles, pair 2 g + 4
+        w0 = _weights(_bits_at(ql, 0, 4, 17) | _bits_at(qh, 0, 2, 21), d * sc0, 0.0, 6, 32, False)
+        w1 = _weights(_bits_at(ql, 4, 4, 17) | _bits_at(qh, 4, 2, 21), d * sc1, 0.0, 6, 32, False)
+        return w0, kk, w1, kk + 64
 
 
 @triton.jit
-def _x_runs(x_rows, kk, K):
-    """``x`` at inputs ``kk`` [A, I] of the rows at ``x_rows`` [BLOCK_M, 1, 1]: [BLOCK_M, A, I] float32."""
-    return tl.load(x_rows + kk[None, :, :], mask=(kk < K)[None, :, :], other=0.0).to(tl.float32)
+def _add_row(acc, w0, k0, w1, k1, x_ptr, r: tl.constexpr, stride_xm, M, K):
+    """``acc`` [BLOCK_N, A, I] plus both pieces' weights times row ``r`` of ``x`` at their inputs (rows
+    past M repeat the last one: they are not stored)."""
+    x_row = x_ptr + tl.minimum(r, M - 1) * stride_xm
+    x0 = tl.load(x_row + k0, mask=k0 < K, other=0.0).to(tl.float32)[None, :, :].broadcast_to(w0.shape)  # [A, I]
+    x1 = tl.load(x_row + k1, mask=k1 < K, other=0.0).to(tl.float32)[None, :, :].broadcast_to(w1.shape)
+    return tl.fma(w1, x1, tl.fma(w0, x0, acc))
+
+
+@triton.jit
+def _row_sums(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
+    """The per-position sums of rows 0..BLOCK_M-1 reduced: [BLOCK_M, BLOCK_N]."""
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    out = tl.where(rows == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)
+    if BLOCK_M > 1:
+        out = tl.where(rows == 1, tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :], out)
+    if BLOCK_M > 2:
+        out = tl.where(rows == 2, tl.sum(tl.sum(acc2, axis=2), axis=1)[None, :], out)
+        out = tl.where(rows == 3, tl.sum(tl.sum(acc3, axis=2), axis=1)[None, :], out)
+    return out
 
 
 @triton.jit
@@ -178,17 +211,23 @@ def gguf_gemv_kernel(
     n_ok = offs_n < N
     rows_b = offs_n.to(tl.int64) * stride_wn
     rows = tl.arange(0, BLOCK_M)
-    # rows past M (BLOCK_M is a power of two) repeat the last one and are not stored
-    x_rows = x_ptr + tl.minimum(rows, M - 1)[:, None, None] * stride_xm
     num_units = K // (64 if TYPE == Q4_K or TYPE == Q5_K else 32)
-    # products summed per weight position, across the K steps: one reduction at the end
-    acc = tl.zeros([BLOCK_M, BLOCK_N, A, I], dtype=tl.float32)
+    # products summed per weight position across the K steps, in the weights' layout (one
+    # accumulator per row of x, BLOCK_M <= 4): one reduction at the end
+    acc0 = tl.zeros([BLOCK_N, A, I], dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
     start = tl.program_id(1) * UNITS_PER_SPLIT
     for u0 in range(start, tl.minimum(start + UNITS_PER_SPLIT, num_units), A):
-        w0, k0, w1, k1 = _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A)
-        acc += w0[None, :, :, :] * _x_runs(x_rows, k0, K)[:, None, :, :]
-        acc += w1[None, :, :, :] * _x_runs(x_rows, k1, K)[:, None, :, :]
-    store_split_k(tl.sum(tl.sum(acc, axis=3), axis=2), out_ptr, bias_ptr, part_ptr, lock_ptr, rows, offs_n,
+        w0, k0, w1, k1 = _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A, False)
+        acc0 = _add_row(acc0, w0, k0, w1, k1, x_ptr, 0, stride_xm, M, K)
+        if BLOCK_M > 1:
+            acc1 = _add_row(acc1, w0, k0, w1, k1, x_ptr, 1, stride_xm, M, K)
+        if BLOCK_M > 2:
+            acc2 = _add_row(acc2, w0, k0, w1, k1, x_ptr, 2, stride_xm, M, K)
+            acc3 = _add_row(acc3, w0, k0, w1, k1, x_ptr, 3, stride_xm, M, K)
+    store_split_k(_row_sums(acc0, acc1, acc2, acc3, BLOCK_M), out_ptr, bias_ptr, part_ptr, lock_ptr, rows, offs_n,
                   rows < M, n_ok, N, stride_om, SPLIT_K, HAS_BIAS)
 
 
@@ -210,7 +249,7 @@ def gguf_gemm_kernel(
     num_units = K // (64 if TYPE == Q4_K or TYPE == Q5_K else 32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for u0 in range(0, num_units, A):
-        w0, k0, w1, k1 = _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A)
+        w0, k0, w1, k1 = _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A, True)
         acc = _gemm_piece(acc, w0, k0, x_rows, m_ok, K, IEEE)
         acc = _gemm_piece(acc, w1, k1, x_rows, m_ok, K, IEEE)
     store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, HAS_BIAS)

@@ -71,6 +71,17 @@ def test_triton_gemv_and_gemm(name, kernel_device):
 
 
 @pytest.mark.parametrize("name", TYPES)
+def test_triton_gemm_weights_are_gguf_py_values(name, kernel_device):
+    """The GEMM's dequantized weights bit for bit: float32 rows of the identity give ``W.T`` exactly."""
+    from runtime_quant.gguf_gpu import gguf_gemm
+
+    t = BY_NAME[name]
+    raw = random_blocks(t, 40, 512, seed=6)
+    out = gguf_gemm(torch.from_numpy(raw).to(kernel_device), t, torch.eye(512, device=kernel_device), None)
+    assert torch.equal(out.t().cpu(), reference(raw, t))
+
+
+@pytest.mark.parametrize("name", TYPES)
 def test_cpu_sliced_part(name):
     t = BY_NAME[name]
     raw = random_blocks(t, 300, 256, seed=3)  # two slices of output rows, one short
