@@ -7,7 +7,12 @@ layer shape; for each batch size prints microseconds per call of the packed kern
 (bytes of blocks read once, per second), its largest difference from the bf16 result (relative
 to the largest value), the sum over one decoder layer times 32 layers, and a table of those sums last.
 
-    python plugins/quant/bench/gguf_gpu.py [--types Q4_0,Q4_K,...] [--batches 1,16,256] [--sweep]
+    python plugins/quant/bench/gguf_gpu.py [--types Q4_0,Q4_K,...] [--batches 1,16,256] [--sweep] [--sweep-gemm]
+
+Above 4 rows both large-batch paths are timed: the fused GEMM (``gguf_gemm``) and the layer
+dequantized into the one-layer scratch then cuBLAS (``gguf_dequant_mm``); ``gguf_matmul`` takes
+the second from ``DEQUANT_MIN_ROWS`` rows. ``--sweep-gemm`` times a grid of fused-GEMM tilings at
+16 and 256 rows per shape (best three against ``gemm_config``'s pick).
 
 Times are taken inside a CUDA graph (as decode runs; ``wna16_gpu.cuda_time``), each call on the
 next of enough copies of the weights to exceed the L2 cache (decode reads every layer from
@@ -24,7 +29,8 @@ import torch
 from wna16_gpu import NUM_LAYERS, SHAPES, cuda_time  # this folder's 4/8-bit benchmark
 
 from runtime_quant.gguf_blocks import BY_NAME, dequantize, random_blocks
-from runtime_quant.gguf_gpu import GemvConfig, gemv_config, gguf_gemv, gguf_matmul
+from runtime_quant.gguf_gpu import (DEQUANT_MIN_ROWS, GEMV_MAX_ROWS, GemmConfig, GemvConfig, gemm_config, gemv_config,
+                                    gguf_dequant_mm, gguf_gemm, gguf_gemv, gguf_matmul)
 
 COPIES_BYTES = 256 << 20  # more than any L2 (H100 50 MB, H200 50 MB)
 
@@ -55,11 +61,38 @@ def sweep(layers: dict, t) -> None:
               + "; ".join(f"{c} {timings[c]:7.1f} us ({nbytes / timings[c] / 1e3:6.0f} GB/s)" for c in best), flush=True)
 
 
+def sweep_gemm(layers: dict, t) -> None:
+    """Fused-GEMM tilings at 16 and 256 rows (the split is a runtime value: no compile of its own)."""
+    block_ks = (128,) if t.name == "Q6_K" else (64, 128)
+    grids = {
+        16: [GemmConfig(16, bn, bk, split, warps) for bn, bk, warps, split in
+             itertools.product((32, 64, 128), block_ks, (4, 8), (1, 2, 4, 8))],
+        256: [GemmConfig(bm, bn, bk, 1, 8, stages) for bm, bn, bk, stages in
+              itertools.product((64, 128), (32, 64, 128), block_ks, (3, 4))],
+    }
+    for rows, grid in grids.items():
+        for name, (raws, _) in layers.items():
+            k = raws[0].shape[1] // t.nbytes * t.block
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            chosen = gemm_config(t, rows, raws[0].shape[0], k, x.device)
+            timings = {}
+            for config in grid:
+                try:
+                    timings[config] = time_each(lambda w: gguf_gemm(w, t, x, None, config=config), raws)
+                except Exception as e:  # e.g. out of shared memory or registers at this tile
+                    print(f"sweep-gemm {t.name} {rows} {name} {config}: {type(e).__name__} {str(e)[:80]}", flush=True)
+            chosen_us = time_each(lambda w: gguf_gemm(w, t, x, None, config=chosen), raws)
+            best = sorted(timings, key=timings.get)[:3]
+            print(f"sweep-gemm {t.name} rows {rows:3d} {name:8s}: chosen {chosen} {chosen_us:7.1f} us; best "
+                  + "; ".join(f"{c} {timings[c]:7.1f} us" for c in best), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--types", default="Q4_0,Q4_K,Q6_K,Q8_0", help="of Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K")
     parser.add_argument("--batches", default="1,16,256")
     parser.add_argument("--sweep", action="store_true", help="time a grid of GEMV tilings per shape at batch 1")
+    parser.add_argument("--sweep-gemm", action="store_true", help="time a grid of fused-GEMM tilings at 16 and 256 rows")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     print(torch.cuda.get_device_name(), flush=True)
@@ -72,8 +105,10 @@ def main() -> None:
             layers[name] = (copies(raw), copies(dequantize(raw, t, torch.bfloat16)))  # [out, in] as F.linear takes it
         if args.sweep:
             sweep(layers, t)
+        if args.sweep_gemm:
+            sweep_gemm(layers, t)
         for batch in batches:
-            total_packed = total_dense = total_bytes = 0.0
+            totals = dict(packed=0.0, fused=0.0, dequant=0.0, dense=0.0, bytes=0.0)
             for name, (i, o) in SHAPES.items():
                 raws, denses = layers[name]
                 x = torch.randn(batch, i, device="cuda", dtype=torch.bfloat16)
@@ -81,22 +116,34 @@ def main() -> None:
                 err = (gguf_matmul(raws[0], t, x, None).float() - expected).abs().max() / expected.abs().max()
                 packed = time_each(lambda w: gguf_matmul(w, t, x, None), raws)
                 cublas = time_each(lambda w: torch.nn.functional.linear(x, w), denses)
-                total_packed += packed
-                total_dense += cublas
-                total_bytes += raws[0].nbytes
+                line = ""
+                if batch > GEMV_MAX_ROWS:  # both large-batch paths
+                    fused = time_each(lambda w: gguf_gemm(w, t, x, None), raws)
+                    dequant = time_each(lambda w: gguf_dequant_mm(w, t, x, None), raws)
+                    totals["fused"] += fused
+                    totals["dequant"] += dequant
+                    line = f", fused {fused:8.1f} us, dequant+mm {dequant:8.1f} us"
+                totals["packed"] += packed
+                totals["dense"] += cublas
+                totals["bytes"] += raws[0].nbytes
                 print(f"{t.name} batch {batch:4d} {name:8s} [{i}x{o}]: packed {packed:8.1f} us "
                       f"({raws[0].nbytes / packed / 1e3:7.1f} GB/s), bf16 {cublas:8.1f} us "
-                      f"({denses[0].nbytes / cublas / 1e3:7.1f} GB/s), max |diff| / max {err:.2g}", flush=True)
-            row = (t.name, batch, total_packed * NUM_LAYERS / 1e3, total_dense * NUM_LAYERS / 1e3, total_bytes / total_packed / 1e3)
+                      f"({denses[0].nbytes / cublas / 1e3:7.1f} GB/s){line}, max |diff| / max {err:.2g}", flush=True)
+            ms = {key: value * NUM_LAYERS / 1e3 for key, value in totals.items() if key != "bytes"}
+            row = (t.name, batch, ms["packed"], ms["fused"], ms["dequant"], ms["dense"], totals["bytes"] / totals["packed"] / 1e3)
             table.append(row)
-            print(f"{t.name} batch {batch:4d} all linears x {NUM_LAYERS} layers: packed {row[2]:.2f} ms, bf16 {row[3]:.2f} ms\n",
-                  flush=True)
+            print(f"{t.name} batch {batch:4d} all linears x {NUM_LAYERS} layers: packed {ms['packed']:.2f} ms, "
+                  f"bf16 {ms['dense']:.2f} ms\n", flush=True)
         del layers
         torch.cuda.empty_cache()
-    print(f"{'type':5s} {'batch':>5s} {'packed ms':>10s} {'bf16 ms':>8s} {'packed/bf16':>11s} {'packed GB/s':>11s}  "
-          f"(all linears x {NUM_LAYERS} layers)")
-    for name, batch, packed, dense, gbs in table:
-        print(f"{name:5s} {batch:5d} {packed:10.2f} {dense:8.2f} {packed / dense:11.2f} {gbs:11.0f}")
+    print(f"{'type':5s} {'batch':>5s} {'packed ms':>10s} {'fused ms':>9s} {'deq+mm ms':>9s} {'bf16 ms':>8s} "
+          f"{'packed/bf16':>11s} {'fused/bf16':>10s} {'deq+mm/bf16':>11s} {'packed GB/s':>11s}  "
+          f"(all linears x {NUM_LAYERS} layers; packed = gguf_matmul: GEMV <= {GEMV_MAX_ROWS} rows, "
+          f"dequant+mm >= {DEQUANT_MIN_ROWS}, else fused)")
+    for name, batch, packed, fused, dequant, dense, gbs in table:
+        extra = f"{fused:9.2f} {dequant:9.2f}" if fused else f"{'-':>9s} {'-':>9s}"
+        ratios = f"{fused / dense:10.2f} {dequant / dense:11.2f}" if fused else f"{'-':>10s} {'-':>11s}"
+        print(f"{name:5s} {batch:5d} {packed:10.2f} {extra} {dense:8.2f} {packed / dense:11.2f} {ratios} {gbs:11.0f}")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,13 @@ are gguf-py's bit for bit.
   read once): products summed per weight position across the program's K steps, in float32,
   reduced once at the end; split along K, the last split of a column block adds the partial
   sums (``jit_wna16.store_split_k``);
-- :func:`gguf_gemm_kernel` (prefill): each piece feeds ``tl.dot`` (16-bit tensor cores) against
-  the matching [BLOCK_M, A * I] columns of ``x``.
+- :func:`gguf_gemm_kernel` (prefill): per K step the two pieces are joined into one
+  [BLOCK_N, BLOCK_K] tile of consecutive inputs (:func:`_tile`, rounded to the activations' 16-bit
+  dtype), dotted once (tensor cores) with the contiguous [BLOCK_M, BLOCK_K] ``x`` tile; a single row
+  block may be split along K (``store_split_k``, as the GEMV). The tile lives in registers (a few registers a
+  weight), which bounds the tile sizes (see ``gguf_gpu.gemm_config``);
+- :func:`gguf_dequantize_kernel`: the same tiles stored as a dense [N, K] matrix (the large-batch
+  path: one layer's scratch, then cuBLAS).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime_quant.jit_gemm import store_tile, tile_offsets
+from runtime_quant.jit_gemm import store_tile
 from runtime_quant.jit_wna16 import store_split_k
 
 Q4_0 = tl.constexpr(2)
@@ -185,14 +190,19 @@ def _row_sums(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gemm_piece(acc, w, kk, x_rows, m_ok, K, IEEE: tl.constexpr):
-    """``acc`` [BLOCK_M, BLOCK_N] plus the ``x`` rows at ``x_rows`` [BLOCK_M, 1] times weights ``w`` of inputs ``kk``."""
-    w = tl.reshape(w, (w.shape[0], w.shape[1] * w.shape[2]))  # [BLOCK_N, A * I]
-    k = tl.reshape(kk, (kk.shape[0] * kk.shape[1],))
-    x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-    if IEEE:  # float32 products, no TF32 rounding
-        return acc + tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
-    return acc + tl.dot(x, tl.trans(w.to(x.dtype)))  # 16-bit tensor-core dots
+def _tile(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE: tl.constexpr, A: tl.constexpr, DTYPE: tl.constexpr):
+    """Units ``u0 .. u0 + A`` as one weight tile [BLOCK_N, BLOCK_K] (gguf-py's values, rounded to ``DTYPE``) whose
+    columns are the consecutive inputs ``u0 * unit .. + BLOCK_K``: both pieces joined and their runs put
+    in input order (Q6_K: ``u0`` and ``A`` multiples of 4, a whole 128-input half of a super-block per 4 units)."""
+    w0, k0, w1, k1 = _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A, True)
+    BLOCK_N: tl.constexpr = w0.shape[0]
+    I: tl.constexpr = w0.shape[2]
+    w = tl.join(w0.to(DTYPE), w1.to(DTYPE))  # [BLOCK_N, A, I, 2]: the second piece's inputs follow the first's in each run
+    if TYPE == Q6_K:  # units (g, e) of a half at 16 (2 g + e), pieces at 0 and 64
+        w = tl.permute(tl.reshape(w, (BLOCK_N, A // 4, 4, I, 2)), (0, 1, 4, 2, 3))
+    else:  # Q*_0: I = 16 inputs a piece, pieces at 0 and 16; K-quants: 32, at 0 and 32
+        w = tl.permute(w, (0, 1, 3, 2))
+    return tl.reshape(w, (BLOCK_N, A * 2 * I))
 
 
 @triton.jit(do_not_specialize=["UNITS_PER_SPLIT", "SPLIT_K"])  # one compiled kernel for every split
@@ -231,10 +241,10 @@ def gguf_gemv_kernel(
                   rows < M, n_ok, N, stride_om, SPLIT_K, HAS_BIAS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["UNITS_PER_SPLIT", "SPLIT_K"])
 def gguf_gemm_kernel(
-    x_ptr, w_ptr, w16_ptr, bias_ptr, out_ptr,
-    M, N, K,
+    x_ptr, w_ptr, w16_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, UNITS_PER_SPLIT, SPLIT_K,
     stride_xm, stride_wn, stride_om,
     TYPE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -243,13 +253,47 @@ def gguf_gemm_kernel(
     BLOCK_N: tl.constexpr,
     A: tl.constexpr,  # units per K step: BLOCK_K / unit inputs
 ):
-    offs_m, offs_n, m_ok, n_ok = tile_offsets(M, N, BLOCK_M, BLOCK_N)
+    """Program (column block, split, row block): per K step the [BLOCK_N, BLOCK_K] weight tile
+    dequantized once (:func:`_tile`) and one ``tl.dot`` with the contiguous [BLOCK_M, BLOCK_K] ``x`` tile;
+    splits (only with one row block: its rows are ``0 .. BLOCK_M``) end as the GEMV's (``store_split_k``)."""
+    UNIT: tl.constexpr = 64 if TYPE == Q4_K or TYPE == Q5_K else 32
+    BLOCK_K: tl.constexpr = A * UNIT
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     rows_b = offs_n.to(tl.int64) * stride_wn
-    num_units = K // (64 if TYPE == Q4_K or TYPE == Q5_K else 32)
+    num_units = K // UNIT
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for u0 in range(0, num_units, A):
-        w0, k0, w1, k1 = _pieces(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A, True)
-        acc = _gemm_piece(acc, w0, k0, x_rows, m_ok, K, IEEE)
-        acc = _gemm_piece(acc, w1, k1, x_rows, m_ok, K, IEEE)
-    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, stride_om, HAS_BIAS)
+    start = tl.program_id(1) * UNITS_PER_SPLIT
+    for u0 in range(start, tl.minimum(start + UNITS_PER_SPLIT, num_units), A):
+        k = u0 * UNIT + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+        if IEEE:  # float32 products, no TF32 rounding
+            w = _tile(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A, tl.float32)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:  # 16-bit tensor-core dots (the tile held in 16 bits: half the registers)
+            w = _tile(w_ptr, w16_ptr, rows_b, n_ok, u0, num_units, TYPE, A, x_ptr.dtype.element_ty)
+            acc += tl.dot(x, tl.trans(w))
+    store_split_k(acc, out_ptr, bias_ptr, part_ptr, lock_ptr, offs_m, offs_n, m_ok, n_ok, N, stride_om, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def gguf_dequantize_kernel(
+    w_ptr, w16_ptr, out_ptr, N, K, stride_wn, stride_on,
+    TYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    A: tl.constexpr,
+):
+    """Program (column block, K step): the weight tile [BLOCK_N, BLOCK_K] (gguf-py's values) into
+    ``out`` [N, K] in its dtype (the large-batch path: a one-layer scratch, then cuBLAS)."""
+    UNIT: tl.constexpr = 64 if TYPE == Q4_K or TYPE == Q5_K else 32
+    BLOCK_K: tl.constexpr = A * UNIT
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    u0 = tl.program_id(1) * A
+    w = _tile(w_ptr, w16_ptr, offs_n.to(tl.int64) * stride_wn, n_ok, u0, K // UNIT, TYPE, A, out_ptr.dtype.element_ty)
+    k = u0 * UNIT + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + k[None, :], w,
+             mask=n_ok[:, None] & (k < K)[None, :])

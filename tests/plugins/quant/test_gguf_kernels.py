@@ -19,6 +19,7 @@ from runtime_quant.gguf_cpu import INT4_MAX_ROWS, Int4Part, SlicedPart, cpu_part
 
 TYPES = [t.name for t in BLOCK_TYPES.values()]
 LLAMA_8B_SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (in, out)
+GPU_SHAPES = [LLAMA_8B_SHAPES[0], LLAMA_8B_SHAPES[3]]
 
 
 def random_blocks(t: BlockType, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
@@ -48,7 +49,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tens
 
 @pytest.mark.parametrize("name", TYPES)
 def test_triton_gemv_and_gemm(name, kernel_device):
-    from runtime_quant.gguf_gpu import gguf_gemm, gguf_gemv, gguf_matmul
+    from runtime_quant.gguf_gpu import gguf_dequant_mm, gguf_gemm, gguf_gemv, gguf_matmul
 
     t = BY_NAME[name]
     # N not a multiple of the column block; two K splits in the GEMV, the last K step partly past
@@ -68,17 +69,27 @@ def test_triton_gemv_and_gemm(name, kernel_device):
     gguf_matmul(qweight, t, x, None, out[:, 4 : 4 + n])
     _check(out[:, 4 : 4 + n], x, w, None, 1e-5)
     assert out[:, :4].abs().sum() == 0 and out[:, 4 + n :].abs().sum() == 0
+    _check(gguf_gemm(qweight, t, x, bias), x, w, bias, 1e-5)  # K split in two, bias in the last split's sum
+    # the large-batch path: the layer dequantized into the one-layer scratch, then a matmul
+    _check(gguf_dequant_mm(qweight, t, x, bias), x, w, bias, 1e-5)
+    out.zero_()
+    gguf_dequant_mm(qweight, t, x, bias, out[:, 4 : 4 + n])
+    _check(out[:, 4 : 4 + n], x, w, bias, 1e-5)
+    assert out[:, :4].abs().sum() == 0 and out[:, 4 + n :].abs().sum() == 0
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_triton_gemm_weights_are_gguf_py_values(name, kernel_device):
-    """The GEMM's dequantized weights bit for bit: float32 rows of the identity give ``W.T`` exactly."""
-    from runtime_quant.gguf_gpu import gguf_gemm
+    """The GEMM's dequantized weights bit for bit: float32 rows of the identity give ``W.T`` exactly;
+    so does the large-batch path's dequantized layer."""
+    from runtime_quant.gguf_gpu import gguf_dequantize_gpu, gguf_gemm
 
     t = BY_NAME[name]
     raw = random_blocks(t, 40, 512, seed=6)
-    out = gguf_gemm(torch.from_numpy(raw).to(kernel_device), t, torch.eye(512, device=kernel_device), None)
+    qweight = torch.from_numpy(raw).to(kernel_device)
+    out = gguf_gemm(qweight, t, torch.eye(512, device=kernel_device), None)
     assert torch.equal(out.t().cpu(), reference(raw, t))
+    assert torch.equal(gguf_dequantize_gpu(qweight, t, torch.float32).cpu(), reference(raw, t))
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -123,20 +134,26 @@ GPU_RTOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", TYPES)
 def test_triton_kernels_on_llama_8b_shapes(name, dtype):
-    """Every type's GEMV (1 and 4 rows) and GEMM (16 and 256 rows) on the Llama-3.1-8B shapes against
-    gguf-py's weights times ``x`` in float64."""
-    from runtime_quant.gguf_gpu import gguf_gemm, gguf_gemv
+    """Every type's GEMV (1 and 4 rows), fused GEMM (16 rows: one row block split along K; 256 rows) and
+    large-batch path (dequantized layer + cuBLAS, 256 rows) on Llama-3.1-8B shapes against gguf-py's
+    weights times ``x`` in float64. Two shapes (K 4096 and 14336; the other two add no new K or
+    specialization), and fp16 only 1 and 16 rows plus the large-batch path: each row count compiles
+    its own kernel, and bf16 covers the others (the file ran past 150 s on an H100 with all of them)."""
+    from runtime_quant.gguf_gpu import gguf_dequant_mm, gguf_gemm, gguf_gemv
 
     if not torch.cuda.is_available():
         pytest.fail("needs a CUDA GPU")
     t = BY_NAME[name]
     gen = torch.Generator(device="cuda").manual_seed(5)
-    for in_features, out_features in LLAMA_8B_SHAPES:
+    cases = ((1, gguf_gemv), (4, gguf_gemv), (16, gguf_gemm), (256, gguf_gemm), (256, gguf_dequant_mm))
+    if dtype == torch.float16:
+        cases = ((1, gguf_gemv), (16, gguf_gemm), (256, gguf_dequant_mm))
+    for in_features, out_features in GPU_SHAPES:
         raw = blocks(t, out_features, in_features, seed=in_features + out_features, device="cuda")
         w = dequantize(raw, t)  # float32 [out, in]
         head = raw[:64].cpu().numpy()  # gguf-py on a slice (the whole matrix would take seconds on the CPU)
         assert torch.equal(w[:64].cpu(), reference(head, t))
-        for rows, kernel in ((1, gguf_gemv), (4, gguf_gemv), (16, gguf_gemm), (256, gguf_gemm)):
+        for rows, kernel in cases:
             x = torch.randn(rows, in_features, device="cuda", generator=gen).to(dtype)
             out = kernel(raw, t, x, None)
             assert out.dtype == dtype
