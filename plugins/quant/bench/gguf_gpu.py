@@ -66,9 +66,9 @@ def sweep_gemm(layers: dict, t) -> None:
     block_ks = (128,) if t.name == "Q6_K" else (64, 128)
     grids = {
         16: [GemmConfig(16, bn, bk, split, warps) for bn, bk, warps, split in
-             itertools.product((32, 64, 128), block_ks, (4, 8), (1, 2, 4, 8))],
+             itertools.product((32, 64, 128), block_ks, (4, 8), (1, 4, 8))],
         256: [GemmConfig(bm, bn, bk, 1, 8, stages) for bm, bn, bk, stages in
-              itertools.product((64, 128), (32, 64, 128), block_ks, (3, 4))],
+              itertools.product((64, 128), (32, 64, 128), block_ks, (3,))],
     }
     for rows, grid in grids.items():
         for name, (raws, _) in layers.items():
