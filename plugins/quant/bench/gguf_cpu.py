@@ -6,6 +6,11 @@ parameters (all, and the linear layers alone), the process's resident memory aft
 model's own layers 0) at a few batch sizes, taken in turns packed / dense.
 
     python plugins/quant/bench/gguf_cpu.py [--model PATH] [--dtype bfloat16] [--threads 2] [--batches 1,16,64,512]
+
+``--kernels`` instead times the 4-bit kernels alone on the default model's four linear shapes
+(random Q4_1 blocks, bf16): the panel kernel (``gguf_cpu_panels``) in its two ways (scales folded
+into the sums; a panel dequantized, then ``vdpbf16ps``) and as dispatched, torch's int4 tiles
+(``_weight_int4pack_mm_for_cpu``, the previous packed path) and the dense bf16 matmul.
 """
 
 from __future__ import annotations
@@ -63,6 +68,45 @@ def timings(args) -> None:
               ", ".join(f"{way} {sorted(v)[len(v) // 2]:.3f} ms" for way, v in totals.items()), flush=True)
 
 
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
+
+
+def kernels(args) -> None:
+    from runtime_quant import gguf_cpu_panels as panels
+    from runtime_quant.gguf_blocks import BY_NAME, decode, dequantize, random_blocks
+
+    torch.set_num_threads(args.threads)
+    assert panels.available(), "the panel kernel needs AVX-512 BF16 and a C++ compiler"
+    t = BY_NAME["Q4_1"]
+    layers = []
+    for n, k in SMOLLM2_SHAPES:
+        raw = random_blocks(t, n, k)
+        codes, scale, offset = decode(raw, t)
+        tiles = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        sz = torch.stack([scale.t(), (offset + 8 * scale).t()], dim=-1).bfloat16().contiguous()
+        layers.append((panels.pack(codes, scale, offset), tiles, sz, dequantize(raw, t, torch.bfloat16)))
+    ways = {
+        "panels": lambda x, L: panels.panels_mm(x, *L[0]),
+        "folded": lambda x, L: panels.panels_mm(x, *L[0], folded_max_rows=1 << 30),
+        "dequantized panel": lambda x, L: panels.panels_mm(x, *L[0], folded_max_rows=0),
+        "torch int4": lambda x, L: torch.ops.aten._weight_int4pack_mm_for_cpu(x, L[1], 32, L[2]),
+        "bf16": lambda x, L: torch.matmul(x, L[3].t()),
+    }
+    for batch in (int(b) for b in args.batches.split(",")):
+        xs = [torch.randn(batch, k).bfloat16() for _, k in SMOLLM2_SHAPES]
+        totals = {way: [] for way in ways}
+        for _ in range(args.repeats):
+            for way, fn in ways.items():  # in turns
+                for x, L in zip(xs, layers):
+                    fn(x, L)
+                start = time.perf_counter()
+                for x, L in zip(xs, layers):
+                    fn(x, L)
+                totals[way].append((time.perf_counter() - start) * 1e3)
+        print(f"batch {batch:4d}: four linears, median of {args.repeats}: " +
+              ", ".join(f"{way} {sorted(v)[len(v) // 2]:.3f} ms" for way, v in totals.items()), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
@@ -70,10 +114,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default="1,16,64,512")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--kernels", action="store_true", help="time the 4-bit kernels alone (see above)")
     parser.add_argument("--memory-of", choices=("packed", "dense"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_of:
         print(json.dumps(memory(args, args.memory_of == "packed")))
+        return
+    if args.kernels:
+        kernels(args)
         return
     for way in ("dense", "packed"):
         cmd = [sys.executable, __file__, "--dtype", args.dtype, "--memory-of", way] + (["--model", args.model] if args.model else [])

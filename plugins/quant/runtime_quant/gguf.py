@@ -13,8 +13,9 @@ type (Q2_K, Q3_K, IQ*, Q5_1 ...) or an unquantized one (F32, F16, BF16) is dequa
 load into its part (the loader logs each quantized one by name) and the model runs.
 
 Kernels: on a GPU, Triton kernels that read the blocks as stored (:mod:`runtime_quant.gguf_gpu`);
-on the CPU, torch's int4 tiles for Q4_0 / Q4_1 / Q4_K in 16-bit models, else the raw blocks
-dequantized a slice at a time (:mod:`runtime_quant.gguf_cpu`).
+on the CPU, Q4_0 / Q4_1 / Q4_K in 16-bit models stay at 4 bits (an AVX-512 BF16 kernel for
+bf16, else torch's int4 tiles), other types are dequantized a slice at a time
+(:mod:`runtime_quant.gguf_cpu`).
 """
 
 from __future__ import annotations
