@@ -1,14 +1,16 @@
 """4-bit GGUF weights in panels of 32 output columns, multiplied by an AVX-512 BF16 kernel.
 
 torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) dequantizes every weight again for
-every input row in float32 FMAs, so its time grows with the rows: at 16-64 rows it costs 1.3-3x a
-bf16 matmul. This kernel (C++, built by ``torch.utils.cpp_extension`` at first use and cached
-under ``~/.cache/torch_extensions``) does what a dequantize-at-load model does, a panel at a time:
+every input row in float32 FMAs, so its time grows with the rows: at 16-512 rows it costs
+1.1-2.4x a bf16 matmul (``benchmarks/RESULTS.md``, issue #18, session 13). This kernel (C++,
+built by ``torch.utils.cpp_extension`` at first use and cached under ``~/.cache/torch_extensions``)
+does what a dequantize-at-load model does, a panel at a time:
 
 - more than :data:`FOLDED_MAX_ROWS` rows: the panel's 32 columns x ``in`` weights are
-  dequantized into a bf16 scratch (``in`` x 64 bytes, in L2), exactly as gguf-py then
-  ``.to(bfloat16)`` does (``s * q + z`` in float32 without FMA, rounded to nearest even), and
-  multiplied by ``vdpbf16ps`` 12 rows at a time with float32 sums;
+  dequantized into a bf16 scratch (``in`` x 64 bytes, in L2) as gguf-py then ``.to(bfloat16)``
+  does (``s * q + z`` in float32 without FMA, rounded to nearest even: the same weights for Q4_0
+  and Q4_1, whose float16 scales are exact), and multiplied by ``vdpbf16ps`` 12 rows at a time
+  with float32 sums;
 - up to that many rows (decode): the codes go to bf16 by a 16-entry table (exact) and the scale
   and offset are applied per group of 32 to float32 sums (``s * sum(x q) + z * sum(x)``).
 
@@ -163,7 +165,10 @@ at::Tensor panels_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "panels_mm takes bf16 [rows, in]");
   at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP, N = scales.size(1), P = N / PANEL;
-  TORCH_CHECK(K %% GROUP == 0 && N %% PANEL == 0 && codes.numel() * 2 == N * K && scales.size(0) == G, "panels_mm: bad shapes");
+  TORCH_CHECK(K %% GROUP == 0 && N %% PANEL == 0 && codes.numel() * 2 == N * K && scales.size(0) == G &&
+              zeros.sizes() == scales.sizes(), "panels_mm: x ", x.sizes(), ", codes ", codes.sizes(), ", scales ",
+              scales.sizes(), ", zeros ", zeros.sizes(), " do not match (see gguf_cpu_panels.pack)");
+  TORCH_CHECK(codes.is_contiguous() && scales.is_contiguous() && zeros.is_contiguous(), "panels_mm: packed tensors must be contiguous");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
