@@ -2,11 +2,12 @@
 
 Besides its matmuls, an eager batch-1 decode step spends its time in thousands of small
 aten calls for norms, rotary embedding, activations and residual adds (about a fifth of the
-default model's step on one core). Inductor fuses those into a few C++ loops per layer and calls the matmuls (and
-the attention op, which runs the backend eagerly: ``runtime.models.attention_op``)
+default model's step on one core). Inductor fuses those, and the attention the backend
+traces (``cpu_paged.traced_decode``), into a few C++ loops per layer and calls the matmuls
 directly. The batch size is symbolic (unbacked, so batch 1 is not specialized): one
 graph serves every decode batch. ``runtime.worker.graphs`` warms it at start-up and runs
-it for decode-only steps.
+it for decode-only steps; after the first call the graph is called without dynamo's frame
+(:func:`_direct_call`).
 
 On by default: the CPU platform compiles decode steps unless ``RUNTIME_CPU_COMPILE=0`` or
 ``--enforce-eager``. Compiling costs about a minute at an engine's first start on a 2-core
