@@ -1,13 +1,18 @@
 """One-row linear layers of a batch-1 decode step: runtime_kernels' gemv against cuBLAS (GPU only).
 
 Times ``gemv(x, W)`` (autotuned on first use) and ``F.linear(x, W)`` for the projection
-shapes of a Llama-3.1-8B layer and its logits, bf16, and prints the weight read rate.
+shapes of a Llama-3.1-8B layer and its logits, and prints the weight read rate. With
+``--dtype fp8`` the weights are FP8 codes with one float32 scale per row (the fp8 quant
+method's batch-1 path), the peer still bf16 cuBLAS; ``--sweep`` times every launch shape of
+a wider grid per layer and prints the fastest next to the autotuner's choice.
 
-    python3 benchmarks/gemv_bench.py
+    python3 benchmarks/gemv_bench.py [--dtype fp8] [--sweep]
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
@@ -38,19 +43,62 @@ def time_us(fn, iters: int = 200) -> float:
     return start.elapsed_time(end) * 1000 / iters
 
 
+def sweep(x, w, scale, out) -> list[tuple[float, str]]:
+    from runtime_kernels.jit.gemv import gemv_kernel
+
+    n, k = w.shape
+    results = []
+    for block_n, block_k, warps, stages, row_sums in itertools.product(
+        (2, 4, 8, 16, 32), (256, 512, 1024, 2048), (2, 4, 8), (1, 3), (False, True)
+    ):
+        if block_n * block_k > 32768 or block_k > k:
+            continue
+        args = (x[0], w, scale if scale is not None else out, out, out, n, k, w.stride(0))
+        grid = (-(-n // block_n),)
+
+        def call(args=args, grid=grid, bn=block_n, bk=block_k, nw=warps, ns=stages, rs=row_sums):
+            gemv_kernel[grid](*args, HAS_SCALE=scale is not None, HAS_BIAS=False, BLOCK_N=bn, BLOCK_K=bk,
+                              ROW_SUMS=rs, num_warps=nw, num_stages=ns)
+
+        try:
+            results.append((time_us(call, 100), f"n{block_n} k{block_k} w{warps} s{stages}{' rowsums' if row_sums else ''}"))
+        except Exception as exc:  # noqa: BLE001 - out of registers or shared memory
+            results.append((float("inf"), f"n{block_n} k{block_k} w{warps} s{stages} failed {type(exc).__name__}"))
+    return sorted(results)
+
+
 def main() -> None:
-    totals = {"gemv": 0.0, "cublas": 0.0}
-    print(f"{'layer':<8} {'N x K':>14} {'gemv us':>9} {'GB/s':>6} {'cuBLAS us':>10} {'GB/s':>6}")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    fp8 = args.dtype == "fp8"
+    totals = {"gemv": 0.0, "cublas": 0.0, "best": 0.0}
+    print(f"{args.dtype}: {'layer':<8} {'N x K':>14} {'gemv us':>9} {'GB/s':>6} {'cuBLAS bf16 us':>15} {'GB/s':>6}")
     for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        w16 = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        torch.testing.assert_close(gemv(x, w), F.linear(x, w), atol=2e-2, rtol=2e-2)
-        ours, theirs = time_us(lambda: gemv(x, w)), time_us(lambda: F.linear(x, w))
-        gb = w.numel() * 2 / 1e3
+        w, scale = w16, None
+        if fp8 and name != "logits":  # the fp8 method leaves lm_head in 16 bits
+            scale = (w16.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+            w = (w16.float() / scale[:, None]).to(torch.float8_e4m3fn)
+            torch.testing.assert_close(gemv(x, w, scale=scale), F.linear(x, (w.float() * scale[:, None]).to(torch.bfloat16)),
+                                       atol=3e-2, rtol=3e-2)
+        else:
+            torch.testing.assert_close(gemv(x, w), F.linear(x, w), atol=2e-2, rtol=2e-2)
+        ours, theirs = time_us(lambda: gemv(x, w, scale=scale)), time_us(lambda: F.linear(x, w16))
+        gb = w.numel() * w.element_size() / 1e3
         totals["gemv"] += ours * PER_TOKEN[name]
         totals["cublas"] += theirs * PER_TOKEN[name]
-        print(f"{name:<8} {n:>6} x {k:<6} {ours:>9.1f} {gb / ours:>6.0f} {theirs:>10.1f} {gb / theirs:>6.0f}")
-    print(f"per decode step of the 8B model: gemv {totals['gemv'] / 1000:.3f} ms, cuBLAS {totals['cublas'] / 1000:.3f} ms")
+        print(f"{args.dtype}: {name:<8} {n:>6} x {k:<6} {ours:>9.1f} {gb / ours:>6.0f} {theirs:>15.1f} {gb * w16.element_size() / w.element_size() / theirs:>6.0f}")
+        if args.sweep:
+            out = torch.empty(n, dtype=x.dtype, device=x.device)
+            ranked = sweep(x, w, scale, out)
+            totals["best"] += ranked[0][0] * PER_TOKEN[name]
+            for us, label in ranked[:5]:
+                print(f"{args.dtype}:    sweep {name:<8} {label:<28} {us:8.1f} us {gb / us:6.0f} GB/s")
+    print(f"{args.dtype}: per decode step of the 8B model: gemv {totals['gemv'] / 1000:.3f} ms, cuBLAS bf16 {totals['cublas'] / 1000:.3f} ms"
+          + (f", best of the sweep {totals['best'] / 1000:.3f} ms" if args.sweep else ""))
 
 
 if __name__ == "__main__":

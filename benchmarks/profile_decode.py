@@ -55,6 +55,7 @@ def build_engine(args):
         model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, platform="cuda",
         max_num_seqs=args.num_requests, max_model_len=args.context + MAX_TOKENS + 1,
         enforce_eager=args.enforce_eager, enable_prefix_caching=False, async_scheduling=args.async_scheduling,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
     return LLMEngine.from_engine_args(engine_args)
 
@@ -98,7 +99,7 @@ def time_phases(engine, steps: int) -> dict[str, float]:
     return {name: 1000 * statistics.median(values) for name, values in per_step.items()}
 
 
-def gpu_kernel_time(engine, steps: int, top: int = 8) -> tuple[float, list[tuple[str, float]]]:
+def gpu_kernel_time(engine, steps: int, top: int = 8) -> tuple[float, float, list[tuple[str, float]]]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -108,12 +109,14 @@ def gpu_kernel_time(engine, steps: int, top: int = 8) -> tuple[float, list[tuple
             engine.step()
         torch.cuda.synchronize()
     kernels = defaultdict(float)
+    launches = 0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
+            launches += 1
             kernels[event.name[:90]] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
     total_ms = sum(kernels.values()) / 1000 / steps
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-    return total_ms, [(name, us / 1000 / steps) for name, us in ranked]
+    return total_ms, launches / steps, [(name, us / 1000 / steps) for name, us in ranked]
 
 
 def main() -> int:
@@ -125,20 +128,25 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (vLLM's flag)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    parser.add_argument("--top", type=int, default=8, help="kernels to list")
     args = parser.parse_args()
     label = f"{os.path.basename(os.path.normpath(args.model))}-{args.num_requests}x{args.context}-{'eager' if args.enforce_eager else 'graphs'}{'-async' if args.async_scheduling else ''}"
+    label += f"{'-' + args.quantization if args.quantization else ''}{'-kv' + args.kv_cache_dtype if args.kv_cache_dtype != 'auto' else ''}"
     engine = build_engine(args)
     fill(engine, args)
     phases = time_phases(engine, args.steps)
-    gpu_ms, kernels = gpu_kernel_time(engine, args.profile_steps)
+    gpu_ms, launches, kernels = gpu_kernel_time(engine, args.profile_steps, args.top)
     running = engine.engine_core.scheduler.stats()["num_running"]
     assert running == args.num_requests, f"only {running} of {args.num_requests} requests ran to the end"
-    result = {"label": label, "host_ms": phases, "gpu_kernel_ms_per_step": gpu_ms, "top_kernels_ms": kernels}
+    result = {"label": label, "host_ms": phases, "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": launches,
+              "top_kernels_ms": kernels}
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"profile_decode_{label}.json"), "w") as f:
             json.dump(result, f, indent=1)
     print(f"{label}: step {phases['step']:.2f} ms = " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if k != "step")
-          + f"; GPU kernels {gpu_ms:.2f} ms/step")
+          + f"; GPU kernels {gpu_ms:.2f} ms/step in {launches:.0f} kernels")
     for name, ms in kernels:
         print(f"  {ms:7.3f} ms  {name}")
     return 0

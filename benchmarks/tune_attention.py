@@ -48,6 +48,8 @@ def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--k-rows", action="store_true", help="also try key tiles loaded as rows")
+    parser.add_argument("--top", type=int, default=4)
     args = parser.parse_args()
     default_tiles = attn.attention_tiles
     for label in args.cases:
@@ -65,11 +67,14 @@ def main() -> None:
 
         block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
-        for block_m, tile_n, warps, stages in itertools.product(block_ms, (32, 64, 128, 256), (2, 4, 8), (2, 3)):
-            def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps, stages=stages):
+        k_rows_options = (False, True) if args.k_rows else (False,)
+        for block_m, tile_n, warps, stages, k_rows in itertools.product(block_ms, (32, 64, 128, 256), (2, 4, 8), (2, 3),
+                                                                        k_rows_options):
+            def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps,
+                      stages=stages, k_rows=k_rows):
                 base = default_tiles(max_query_len, group, head_size, cache_bytes)
                 rows = block_m or base.block_m
-                return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages)
+                return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages, k_rows)
 
             attn.attention_tiles = tiles
             try:
@@ -79,12 +84,13 @@ def main() -> None:
                 continue
             finally:
                 attn.attention_tiles = default_tiles
-            results.append((ms, block_m, tile_n, warps, stages))
+            results.append((ms, block_m, tile_n, warps, stages, k_rows))
         base_ms = cuda_ms(run)
         results.sort()
         print(f"{label}: default {base_ms * 1000:.1f} us ({rate(base_ms)})")
-        for ms, block_m, tile_n, warps, stages in results[:4]:
-            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}: {ms * 1000:.1f} us ({rate(ms)})")
+        for ms, block_m, tile_n, warps, stages, k_rows in results[:args.top]:
+            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}{' k_rows' if k_rows else ''}: "
+                  f"{ms * 1000:.1f} us ({rate(ms)})")
 
 
 if __name__ == "__main__":

@@ -28,17 +28,22 @@ def gemv_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROW_SUMS: tl.constexpr = False,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # ROW_SUMS reduces every slice at once (fewer registers, more shuffles).
+    acc = tl.zeros([BLOCK_N, 1 if ROW_SUMS else BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if ROW_SUMS:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1, keep_dims=True)
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
