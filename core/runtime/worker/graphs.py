@@ -141,32 +141,34 @@ class DecodeGraphs:
             self.compiled = None
 
     def warm_up_prefill(self, num_tokens: int) -> None:
-        """One eager step with a prefill chunk and a decode, caching nothing.
+        """One eager step with a prefill chunk and a decode (the chunk alone when the buffers
+        hold one request, ``--max-num-seqs 1``), caching nothing.
 
         Compiles the kernel variants of mixed batches now rather than inside the first
         timed requests (decode variants are compiled by the graph warm-ups).
         """
         b = self.buffers
+        num_reqs = min(2, b.query_start_loc.host.shape[0] - 1)
         num_tokens = max(2, min(num_tokens, b.input_ids.host.shape[0] - 1, self.max_model_len - 1))
-        total = num_tokens + 1
+        total = num_tokens + num_reqs - 1
         b.input_ids.host[:total] = 0
         b.positions.host[:num_tokens] = torch.arange(num_tokens)
-        b.positions.host[num_tokens] = 0
+        b.positions.host[num_tokens:total] = 0
         b.slot_mapping.host[:total] = -1
-        b.query_start_loc.host[:3] = torch.tensor([0, num_tokens, total], dtype=torch.int32)
-        b.seq_lens.host[:2] = torch.tensor([num_tokens, 1], dtype=torch.int32)
+        b.query_start_loc.host[: num_reqs + 1] = torch.tensor([0, num_tokens, total][: num_reqs + 1], dtype=torch.int32)
+        b.seq_lens.host[:num_reqs] = torch.tensor([num_tokens, 1][:num_reqs], dtype=torch.int32)
         b.block_table.zero_()
         metadata = AttentionMetadata(
-            num_reqs=2,
+            num_reqs=num_reqs,
             num_tokens=total,
             max_query_len=num_tokens,
             max_seq_len=num_tokens,
-            query_start_loc=b.query_start_loc.upload(3),
-            seq_lens=b.seq_lens.upload(2),
-            block_table=b.block_table[:2],
+            query_start_loc=b.query_start_loc.upload(num_reqs + 1),
+            seq_lens=b.seq_lens.upload(num_reqs),
+            block_table=b.block_table[:num_reqs],
             slot_mapping=b.slot_mapping.upload(total),
-            query_start_loc_cpu=b.query_start_loc.np[:3].copy(),
-            seq_lens_cpu=b.seq_lens.np[:2].copy(),
+            query_start_loc_cpu=b.query_start_loc.np[: num_reqs + 1].copy(),
+            seq_lens_cpu=b.seq_lens.np[:num_reqs].copy(),
             block_size=self.block_size,
         )
         metadata = self.backend.build_metadata(metadata)

@@ -149,6 +149,20 @@ def test_verification_steps_replay_their_own_graphs(tmp_path_factory, replay_pla
         assert sum(graphs.replay_counts.values()) >= 1  # steps without drafts replay the decode graphs
 
 
+def test_one_request_engine_captures_and_matches(reference, replay_platform):
+    """``--max-num-seqs 1`` (a batch-1 latency run): the buffers hold one request, so the
+    start-up's mixed-batch warm-up runs the prefill chunk alone (it wrote a second request
+    past the buffers and failed to start), and the batch-1 graph replays every decode step."""
+    path, prompts, expected = reference
+    llm = LLM(path, platform="cpu-replay", attention_backend="triton-replay", dtype="float32", skip_tokenizer_init=True,
+              max_num_seqs=1, block_size=4)
+    assert len(replay_platform.captured) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, detokenize=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    check_outputs_equal([e[0] for e in expected[:2]], [o.outputs[0].token_ids for o in outputs], "one request")
+    assert sum(replay_platform.replayed.values()) == 2 * (NUM_NEW_TOKENS - 1)
+
+
 def test_enforce_eager_captures_nothing(reference, replay_platform):
     path, prompts, _ = reference
     llm = LLM(path, platform="cpu-replay", attention_backend="triton-replay", dtype="float32", skip_tokenizer_init=True,
