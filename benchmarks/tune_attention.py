@@ -68,7 +68,7 @@ def main() -> None:
         block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
         k_rows_options = (False, True) if args.k_rows else (False,)
-        for block_m, tile_n, warps, stages, k_rows in itertools.product(block_ms, (32, 64, 128, 256), (2, 4, 8), (2, 3),
+        for block_m, tile_n, warps, stages, k_rows in itertools.product(block_ms, (32, 64, 128, 256), (2, 4, 8), (1, 2, 3),
                                                                         k_rows_options):
             def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps,
                       stages=stages, k_rows=k_rows):

@@ -37,3 +37,25 @@ def test_strided_weight_rows(device):
 def test_more_than_one_row_is_an_error(device):
     with pytest.raises(ValueError, match="one row"):
         gemv(torch.zeros(2, 8, device=device), torch.zeros(4, 8, device=device))
+
+
+def test_every_tuned_launch_shape(device):
+    """Each launch shape the autotuner may pick (the GPU runs one of them per layer shape; the
+    interpreter otherwise runs a fixed one): 16- and 8-bit weights, with row scales, ragged K."""
+    from runtime_kernels.jit.gemv import GEMV_8BIT_CONFIGS, GEMV_CONFIGS, gemv_kernel
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 7, 300
+    x = torch.randn(k, generator=g).to(device=device, dtype=torch.bfloat16)
+    w16 = (torch.randn(n, k, generator=g) / k**0.5).to(device=device, dtype=torch.bfloat16)
+    scale = torch.rand(n, generator=g).to(device) + 0.5
+    w8 = w16.float().mul(64).to(torch.float8_e4m3fn)
+    for weight, configs, row_scale in ((w16, GEMV_CONFIGS, None), (w8, GEMV_8BIT_CONFIGS, scale)):
+        expected = torch.nn.functional.linear(x.float(), weight.float() * (1 if row_scale is None else row_scale[:, None]))
+        for config in configs:
+            out = torch.empty(n, dtype=torch.bfloat16, device=device)
+            grid = (-(-n // config.kwargs["BLOCK_N"]),)
+            gemv_kernel[grid](x, weight, out if row_scale is None else row_scale, out, out, n, k, weight.stride(0),
+                              HAS_SCALE=row_scale is not None, HAS_BIAS=False, **config.kwargs,
+                              num_warps=config.num_warps, num_stages=config.num_stages)
+            torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2, msg=lambda m: f"{config}: {m}")
