@@ -68,15 +68,13 @@ def main() -> None:
         block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
         k_rows_options = (False, True) if args.k_rows else (False,)
-        widen_options = (False, True) if cache_dtype.itemsize == 1 else (False,)
-        for block_m, tile_n, warps, stages, k_rows, widen in itertools.product(
-            block_ms, (32, 64, 128, 256), (2, 4, 8), (1, 2, 3), k_rows_options, widen_options
-        ):
+        for block_m, tile_n, warps, stages, k_rows in itertools.product(block_ms, (32, 64, 128, 256), (2, 4, 8), (1, 2, 3),
+                                                                        k_rows_options):
             def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps,
-                      stages=stages, k_rows=k_rows, widen=widen):
+                      stages=stages, k_rows=k_rows):
                 base = default_tiles(max_query_len, group, head_size, cache_bytes)
                 rows = block_m or base.block_m
-                return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages, k_rows, widen)
+                return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages, k_rows)
 
             attn.attention_tiles = tiles
             try:
@@ -86,13 +84,12 @@ def main() -> None:
                 continue
             finally:
                 attn.attention_tiles = default_tiles
-            results.append((ms, block_m, tile_n, warps, stages, k_rows, widen))
+            results.append((ms, block_m, tile_n, warps, stages, k_rows))
         base_ms = cuda_ms(run)
         results.sort()
         print(f"{label}: default {base_ms * 1000:.1f} us ({rate(base_ms)})")
-        for ms, block_m, tile_n, warps, stages, k_rows, widen in results[:args.top]:
-            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}{' k_rows' if k_rows else ''}"
-                  f"{' widen_words' if widen else ''}: "
+        for ms, block_m, tile_n, warps, stages, k_rows in results[:args.top]:
+            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}{' k_rows' if k_rows else ''}: "
                   f"{ms * 1000:.1f} us ({rate(ms)})")
 
 

@@ -34,7 +34,6 @@ class AttentionTiles:
     num_warps: int
     num_stages: int
     k_rows: bool = False  # load key tiles as rows (keys x head) and transpose them in registers
-    widen_words: bool = False  # 8-bit caches: widen 32-bit words to float16 by PTX right after the load
 
 
 def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2) -> AttentionTiles:
@@ -51,9 +50,8 @@ def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     block_m = max(rows, next_power_of_2(num_queries_per_kv))
     tile_n = 64 if head_pad <= 128 else 32
     if cache_bytes == 1 and max_query_len == 1:
-        return AttentionTiles(block_m, block_m // num_queries_per_kv, 2 * tile_n, num_warps=2, num_stages=3, widen_words=True)
-    return AttentionTiles(block_m, block_m // num_queries_per_kv, tile_n, num_warps=4, num_stages=2,
-                          widen_words=cache_bytes == 1)
+        return AttentionTiles(block_m, block_m // num_queries_per_kv, 2 * tile_n, num_warps=2, num_stages=3)
+    return AttentionTiles(block_m, block_m // num_queries_per_kv, tile_n, num_warps=4, num_stages=2)
 
 
 @functools.cache
@@ -149,8 +147,6 @@ def unified_attention(
         F16_DOTS=f16_dots,
         NUM_SEGMENTS=num_segments,
         K_ROWS=tiles.k_rows,
-        # inline PTX: compiled kernels only, and whole 32-bit words per row
-        WIDEN_WORDS=f16_dots and tiles.widen_words and not interpreting() and head_size % 4 == 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -146,31 +146,6 @@ def test_fp8_cache_softcap_and_split_kv(device):
     torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("requests", [MIXED, DECODES], ids=["mixed", "decodes"])
-def test_fp8_words_widened_by_ptx_match_the_plain_conversion(device, monkeypatch, requests):
-    """The compiled kernel widens 8-bit tiles by inline PTX on 32-bit words (the interpreter
-    cannot run PTX and converts code by code): both give the reference's attention, and the
-    same values as each other up to float16 rounding of the sums."""
-    import dataclasses
-
-    import runtime_kernels.attention as attn
-
-    if device != "cuda":
-        pytest.skip("inline PTX runs only in compiled kernels")
-    batch = make_batch(requests, 8, 2, 128, 16, torch.bfloat16, device, seed=7)
-    query, kv, qsl, seq_lens, table, max_q = batch
-    batch = (query, kv.to(torch.float8_e4m3fn), qsl, seq_lens, table, max_q)
-    default = attn.attention_tiles
-    outs = []
-    for widen in (True, False):
-        monkeypatch.setattr(attn, "attention_tiles", lambda *a, widen=widen: dataclasses.replace(default(*a), widen_words=widen))
-        out, ref = run_both(batch, 0.088, window=40)
-        torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
-        outs.append(out.float())
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
-
-
 def test_reference_matches_per_token_loop():
     requests = [(3, 2), (0, 3)]
     query, kv, qsl, seq_lens, table, _ = make_batch(requests, 4, 2, 16, 4, torch.float32, "cpu", seed=3)

@@ -56,25 +56,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _fp8_rows_to_f16(cache_ptr, row_offsets, row_ok, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr):
-    """Rows of float8_e4m3fn codes at ``cache_ptr + row_offsets`` (multiples of 4) -> a float16
-    ``[len(row_offsets), HEAD_PAD]`` tile. Each 32-bit word (four codes) is widened by two
-    ``cvt.rn.f16x2.e4m3x2`` in inline PTX, which the compiler cannot move past shared memory,
-    so the tile is staged for the dot products in 16 bits (as a bf16 cache is) rather than read
-    back from shared memory code by code."""
-    words = tl.arange(0, HEAD_PAD // 4)
-    w = tl.load(cache_ptr.to(tl.pointer_type(tl.int32)) + (row_offsets // 4)[:, None] + words[None, :],
-                mask=row_ok[:, None] & (words < HEAD_SIZE // 4)[None, :], other=0)
-    e0, e1, e2, e3 = tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; .reg .b32 p, q; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 p, lo; "
-        "cvt.rn.f16x2.e4m3x2 q, hi; mov.b32 {$0, $1}, p; mov.b32 {$2, $3}, q; }",
-        "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1,
-    )
-    # join's new axis is the last: (e0, e2) and (e1, e3) pairs put the codes back in word order
-    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), [row_offsets.shape[0], HEAD_PAD])
-
-
-@triton.jit
 def unified_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_size]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -113,7 +94,6 @@ def unified_attention_kernel(
     F16_DOTS: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     K_ROWS: tl.constexpr = False,
-    WIDEN_WORDS: tl.constexpr = False,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,23 +143,18 @@ def unified_attention_kernel(
         kv_ok = (kv_pos < kv_end) & (kv_pos >= kv_begin)
         block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         slot = kv_pos % BLOCK_SIZE
-        v_offsets = block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head  # [TILE_N]
-        if WIDEN_WORDS:  # FP8 rows read as 32-bit words and widened to float16 before any staging
-            k_offsets = block * stride_k_block + slot * stride_k_slot + kv_head * stride_k_head
-            k = tl.trans(_fp8_rows_to_f16(k_cache_ptr, k_offsets, kv_ok, HEAD_SIZE, HEAD_PAD))
-            v = _fp8_rows_to_f16(v_cache_ptr, v_offsets, kv_ok, HEAD_SIZE, HEAD_PAD)
+        if K_ROWS:  # keys loaded as rows, like values, and transposed in registers
+            k_offsets = block[:, None] * stride_k_block + slot[:, None] * stride_k_slot + kv_head * stride_k_head
+            k = tl.trans(tl.load(k_cache_ptr + k_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0))
         else:
-            if K_ROWS:  # keys loaded as rows, like values, and transposed in registers
-                k_offsets = block[:, None] * stride_k_block + slot[:, None] * stride_k_slot + kv_head * stride_k_head
-                k = tl.trans(tl.load(k_cache_ptr + k_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0))
-            else:
-                k_offsets = block[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-                k = tl.load(k_cache_ptr + k_offsets + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + v_offsets[:, None] + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
-            # The query's dtype: float32 under UPCAST; float16 from an FP8 cache under F16_DOTS
-            # (one hardware instruction per two values, where bf16 takes a detour through float32).
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            k_offsets = block[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
+            k = tl.load(k_cache_ptr + k_offsets + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        v_offsets = block[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
+        v = tl.load(v_cache_ptr + v_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        # The query's dtype: float32 under UPCAST; float16 from an FP8 cache under F16_DOTS
+        # (one hardware instruction per two values, where bf16 takes a detour through float32).
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] float32
         if USE_SOFTCAP:
