@@ -8,6 +8,7 @@ resolves the platform and the model, and builds the per-part configs of :mod:`ru
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from runtime.kv_transfer import (
     OFFLOADING_CONNECTOR, PREEMPTION_MODES, kv_offload_fields, parse_transfer_config, resolve_kv_offload,
 )
 from runtime.model_loader.tokenizer import TOKENIZER_MODES
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -247,7 +250,7 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
     from runtime.model_loader import resolve_model
     from runtime.model_loader.generation_defaults import default_sampling_params
     from runtime.model_loader.tokenizer import load_chat_template
-    from runtime.quantization import build_quant_config, select_quant_method
+    from runtime.quantization import GGUF_DEQUANTIZE_ENV, build_quant_config, default_gguf_method, select_quant_method
 
     if not args.model:
         raise ValueError("model must be a local Hugging Face folder or .gguf file, got an empty value")
@@ -271,6 +274,13 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
         raise ValueError(f"max_model_len {max_model_len} is larger than the model's maximum {derived}")
     names = served_model_names(args)
     quantization = select_quant_method(args.quantization, resolved.hf_config)
+    if quantization is None and resolved.gguf_file:
+        packed = default_gguf_method(resolved.gguf_file, dtype, platform, args.tensor_parallel_size,
+                                     args.pipeline_parallel_size)
+        if packed is not None:
+            quantization = packed[0]
+            logger.info("GGUF weights stay packed (--quantization %s): %s; %s=1 dequantizes them at load instead",
+                        quantization, packed[1], GGUF_DEQUANTIZE_ENV)
     model_config = ModelConfig(
         model=args.model,
         tokenizer=args.tokenizer,

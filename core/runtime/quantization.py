@@ -12,6 +12,8 @@ repacks them once loading is done, and computes the layer's output.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -70,6 +72,10 @@ class QuantMethod(Protocol):
         quantization of an unquantized checkpoint). ``model_config`` is the engine's
         :class:`runtime.config.ModelConfig`. Raise ValueError for settings the method cannot run."""
 
+    # Optional: ``packs_gguf_by_default(gguf_file, dtype, platform, tensor_parallel_size,
+    # pipeline_parallel_size) -> str | None``: a reason to load a GGUF file through this method
+    # when no ``--quantization`` is given (None: dequantize at load); see default_gguf_method.
+
 
 def detect_quant_method(quantization_config: dict[str, Any] | None) -> str | None:
     """The method a Hugging Face ``quantization_config`` names (its ``quant_method``), if any."""
@@ -124,6 +130,29 @@ def select_quant_method(requested: str | None, hf_config: Any) -> str | None:
             f"{named!r} (quant method {claimed!r}); leave --quantization unset to use it"
         )
     return requested if requested is not None else claimed
+
+
+GGUF_DEQUANTIZE_ENV = "RUNTIME_GGUF_DEQUANTIZE"
+
+
+def default_gguf_method(gguf_file: str, dtype: torch.dtype, platform: Any, tensor_parallel_size: int = 1,
+                        pipeline_parallel_size: int = 1) -> tuple[str, str] | None:
+    """(method, why) when an installed quant method should keep a GGUF file's weights packed
+    without ``--quantization``: a method's optional ``packs_gguf_by_default(gguf_file, dtype,
+    platform, tensor_parallel_size, pipeline_parallel_size)`` answers with its reason (None: no).
+    ``RUNTIME_GGUF_DEQUANTIZE=1`` keeps dequantize-at-load."""
+    if os.environ.get(GGUF_DEQUANTIZE_ENV) == "1":
+        return None
+    from runtime.plugins import get_registry
+
+    registry = get_registry("quant_method")
+    for name in sorted(registry.names()):
+        method = registry.create(name)
+        prefers = getattr(method, "packs_gguf_by_default", None)
+        why = prefers(gguf_file, dtype, platform, tensor_parallel_size, pipeline_parallel_size) if prefers else None
+        if why:
+            return name, why
+    return None
 
 
 def build_quant_config(model_config: Any, platform: Any = None) -> QuantConfig | None:

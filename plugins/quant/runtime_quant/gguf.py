@@ -1,6 +1,9 @@
 """``gguf``: a GGUF file's quantized linear weights kept in llama.cpp's blocks (``--quantization gguf``).
 
-Without the flag a GGUF file is dequantized at load (core's default). With it, every linear
+Without the flag a GGUF file is dequantized at load (core's default), except where the packed
+path is the faster one: a bfloat16 model on a CPU with AVX-512 BF16 whose linear weights are all
+Q4_0 / Q4_1 / Q4_K loads packed (:meth:`GgufMethod.packs_gguf_by_default`; the engine logs it, and
+``RUNTIME_GGUF_DEQUANTIZE=1`` dequantizes instead). With the flag, every linear
 layer receives its projections' raw blocks from the loader (``qweight_type`` then ``qweight``
 per projection; see :mod:`runtime.model_loader.gguf_weights`) and keeps them packed:
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K and Q6_K (:data:`runtime_quant.gguf_blocks.BLOCK_TYPES`).
@@ -27,7 +30,8 @@ import torch
 from torch import nn
 
 from runtime_quant.gguf_blocks import BF16, BLOCK_TYPES, F16, F32, BlockType
-from runtime_quant.gguf_cpu import cpu_part
+from runtime_quant.gguf_cpu import INT4_TYPES, cpu_part
+from runtime_quant.gguf_cpu_panels import PANEL, cpu_has_avx512_bf16
 
 UNQUANTIZED = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 
@@ -162,8 +166,38 @@ class GgufConfig:
             raise ValueError(f"--quantization gguf does not shard layers: tensor_parallel_size must be 1, got {tp_size()}")
 
 
+def packed_linear_types(gguf_file: str) -> set[str] | None:
+    """The ggml type names of a GGUF file's linear weights (its 2-D tensors but the token
+    embedding), or None when one of them has a dimension that is not a multiple of 32."""
+    from runtime.model_loader.gguf_reader import gguf_reader  # parsed once per process (the loaders share it)
+
+    types = set()
+    for tensor in gguf_reader(gguf_file).tensors:
+        if len(tensor.shape) != 2 or tensor.name == "token_embd.weight":
+            continue
+        if any(int(d) % PANEL for d in tensor.shape):
+            return None
+        types.add(tensor.tensor_type.name)
+    return types
+
+
 class GgufMethod:
     """:class:`runtime.quantization.QuantMethod` ``gguf``."""
+
+    def packs_gguf_by_default(self, gguf_file: str, dtype: torch.dtype, platform, tensor_parallel_size: int,
+                              pipeline_parallel_size: int) -> str | None:
+        """Why ``gguf_file`` loads packed without ``--quantization`` (None: it is dequantized at
+        load): a bfloat16 model on a CPU with AVX-512 BF16, one rank, every linear weight of a
+        type the panel kernel reads. There it is faster than the dequantized bf16 weights at batch
+        1 and as fast in offline batches (benchmarks/RESULTS.md, issue 18), at under half the memory."""
+        if getattr(platform, "device_type", None) != "cpu" or dtype != torch.bfloat16:
+            return None
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1 or not cpu_has_avx512_bf16():
+            return None
+        types = packed_linear_types(gguf_file)
+        if not types or not types <= set(INT4_TYPES):
+            return None
+        return f"its linear layers are {'/'.join(sorted(types))}, which this CPU's AVX-512 BF16 kernel reads as they are"
 
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> GgufConfig:
         if quantization_config is not None:
