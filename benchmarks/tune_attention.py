@@ -45,11 +45,19 @@ def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1
     return q, kv, table, qsl, seq_lens, kv_bytes
 
 
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--k-rows", action="store_true", help="also try key tiles loaded as rows")
     parser.add_argument("--top", type=int, default=4)
+    parser.add_argument("--segments", default="", help="comma-separated split-KV segment counts to try (decode cases; default: the launcher's choice)")
+    parser.add_argument("--tile-n", default="32,64,128,256")
+    parser.add_argument("--warps", default="2,4,8")
+    parser.add_argument("--stages", default="1,2,3")
     args = parser.parse_args()
     default_tiles = attn.attention_tiles
     for label in args.cases:
@@ -59,8 +67,9 @@ def main() -> None:
         # causal prefill from position 0: q_len * (q_len + 1) / 2 scores per head, 4 * head FLOPs each
         flops = num_reqs * heads * query_len * (query_len + 1) // 2 * 4 * head
 
-        def run():
-            attn.unified_attention(q, kv[0], kv[1], out, qsl, seq_lens, table, query_len, head**-0.5, max_seq_len=context)
+        def run(segments=None):
+            attn.unified_attention(q, kv[0], kv[1], out, qsl, seq_lens, table, query_len, head**-0.5, max_seq_len=context,
+                                   num_segments=segments)
 
         def rate(ms):
             return f"{kv_bytes / ms / 1e6:.0f} GB/s" if query_len == 1 else f"{flops / ms / 1e9:.0f} TFLOP/s"
@@ -68,8 +77,10 @@ def main() -> None:
         block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
         k_rows_options = (False, True) if args.k_rows else (False,)
-        for block_m, tile_n, warps, stages, k_rows in itertools.product(block_ms, (32, 64, 128, 256), (2, 4, 8), (1, 2, 3),
-                                                                        k_rows_options):
+        segment_options = (ints(args.segments) or (None,)) if query_len == 1 else (None,)
+        for block_m, tile_n, warps, stages, k_rows, segments in itertools.product(
+            block_ms, ints(args.tile_n), ints(args.warps), ints(args.stages), k_rows_options, segment_options
+        ):
             def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps,
                       stages=stages, k_rows=k_rows):
                 base = default_tiles(max_query_len, group, head_size, cache_bytes)
@@ -78,18 +89,19 @@ def main() -> None:
 
             attn.attention_tiles = tiles
             try:
-                ms = cuda_ms(run)
+                ms = cuda_ms(lambda segments=segments: run(segments))
             except Exception as exc:  # out of shared memory and the like
                 print(f"  {label}: block_m={block_m} tile_n={tile_n} warps={warps} stages={stages} failed: {type(exc).__name__}")
                 continue
             finally:
                 attn.attention_tiles = default_tiles
-            results.append((ms, block_m, tile_n, warps, stages, k_rows))
+            results.append((ms, block_m, tile_n, warps, stages, k_rows, segments))
         base_ms = cuda_ms(run)
-        results.sort()
+        results.sort(key=lambda r: r[0])
         print(f"{label}: default {base_ms * 1000:.1f} us ({rate(base_ms)})")
-        for ms, block_m, tile_n, warps, stages, k_rows in results[:args.top]:
-            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}{' k_rows' if k_rows else ''}: "
+        for ms, block_m, tile_n, warps, stages, k_rows, segments in results[:args.top]:
+            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}{' k_rows' if k_rows else ''}"
+                  f"{f' segments={segments}' if segments else ''}: "
                   f"{ms * 1000:.1f} us ({rate(ms)})")
 
 
