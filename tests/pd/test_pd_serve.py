@@ -2,7 +2,8 @@
 on loopback, the official openai client). Completions and chats through the proxy equal a single
 server's, streamed and not; the decode instance computes only the prompt's tail; blocks are freed
 on both sides afterwards; an unpulled lease expires; a dead prefill instance makes the decode
-instance recompute. One set of processes serves the module (the last test kills the prefill one).
+instance recompute. One set of processes serves the module (the last test kills the prefill one);
+the decode instance schedules asynchronously (``--async-scheduling``), the prefill one does not.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def pd(tiny_pd_model, tmp_path_factory):
     kv_port = free_port()
     prefill = RemoteServer(tiny_pd_model, FLAGS + transfer_flags("kv_producer", kv_port, lease_s=LEASE_S),
                            logs / "prefill.log")
-    decode = RemoteServer(tiny_pd_model, FLAGS + transfer_flags("kv_consumer", free_port(), pull_timeout_s=2),
-                          logs / "decode.log")
+    decode = RemoteServer(tiny_pd_model, FLAGS + ["--async-scheduling"]
+                          + transfer_flags("kv_consumer", free_port(), pull_timeout_s=2), logs / "decode.log")
     proxy = Proxy(prefill.url, decode.url, logs / "proxy.log")
     try:
         prefill.wait_ready(), decode.wait_ready(), proxy.wait_ready()
