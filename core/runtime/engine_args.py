@@ -274,7 +274,7 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
         raise ValueError(f"max_model_len {max_model_len} is larger than the model's maximum {derived}")
     names = served_model_names(args)
     quantization = select_quant_method(args.quantization, resolved.hf_config)
-    if quantization is None and resolved.gguf_file:
+    if quantization is None and resolved.gguf_file and args.load_format != "dummy":  # dummy weights have no blocks
         packed = default_gguf_method(resolved.gguf_file, dtype, platform, args.tensor_parallel_size,
                                      args.pipeline_parallel_size)
         if packed is not None:

@@ -113,6 +113,9 @@ class GgufLinearMethod:
         device = layer.qweight.device
         dtype = layer.quant_params_dtype
         types, data = layer.gguf_types, layer.gguf_data
+        if any(d is None for d in data):
+            raise ValueError("--quantization gguf keeps a GGUF file's blocks, but a linear layer received none "
+                             "(--load-format dummy makes random weights, not blocks: leave --quantization unset for it)")
         del layer.qweight, layer.qweight_type, layer.gguf_types, layer.gguf_data
         parts, offsets = [], []
         start = 0

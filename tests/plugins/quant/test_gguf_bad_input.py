@@ -98,3 +98,14 @@ def test_other_types_arrive_dequantized_with_a_log_line(tmp_path, caplog):
     assert int(out["k.qweight_type"]) == BY_NAME["Q8_0"].ggml and out["k.qweight"].dtype == torch.uint8
     assert out["k.qweight"].shape == (64, BY_NAME["Q8_0"].row_bytes(64))
     assert "k.weight" not in caplog.text
+
+
+def test_dummy_weights_have_no_blocks():
+    """``--load-format dummy`` makes random weights, not blocks: a clear error for ``--quantization gguf``
+    (the file's own default, dequantize-at-load, runs on dummy weights)."""
+    from runtime import LLM
+    from runtime.testing.models import smollm2_gguf_path
+
+    with pytest.raises(ValueError, match=r"qkv_proj: --quantization gguf keeps a GGUF file's blocks, but a linear layer "
+                       r"received none \(--load-format dummy"):
+        LLM(smollm2_gguf_path(), quantization="gguf", load_format="dummy", enforce_eager=True, max_model_len=128)

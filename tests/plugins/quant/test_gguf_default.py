@@ -55,5 +55,7 @@ def test_engine_config_follows_it_and_the_env_opts_out(monkeypatch):
     config = build_model_config(EngineArgs(model=path, dtype="bfloat16", max_model_len=256), cpu)
     assert config.quantization == ("gguf" if cpu_has_avx512_bf16() else None)
     assert build_model_config(EngineArgs(model=path, dtype="float32", max_model_len=256), cpu).quantization is None
+    dummy = EngineArgs(model=path, dtype="bfloat16", max_model_len=256, load_format="dummy")  # random weights, no blocks
+    assert build_model_config(dummy, cpu).quantization is None
     monkeypatch.setenv(GGUF_DEQUANTIZE_ENV, "1")
     assert build_model_config(EngineArgs(model=path, dtype="bfloat16", max_model_len=256), cpu).quantization is None
