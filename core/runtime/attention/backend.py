@@ -57,8 +57,9 @@ class AttentionBackend(Protocol):
 
     Optional flags (read with ``getattr``, default False): ``supports_graphs`` (safe to
     capture in a CUDA graph) and ``supports_fp8_kv_cache`` (reads and writes caches of
-    ``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``; keys and values are stored
-    unscaled and attended in the query's dtype).
+    ``torch.float8_e4m3fn``, ``--kv-cache-dtype fp8``; keys and values are stored as
+    given and attended in the query's dtype: a checkpoint's per-tensor k/v scales are
+    applied around the backend by :class:`runtime.models.layers.Attention`).
 
     Optional methods for platforms that compile decode steps (``compiles_graphs``): a
     backend with ``traced_decode_inputs(metadata)`` and ``traced_decode(layer, query, key,

@@ -6,6 +6,8 @@ all requests of a step concatenated, no padding.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,8 @@ from runtime.attention.backend import AttentionLayerSpec
 from runtime.forward_context import get_forward_context
 from runtime.models.linear import Linear, MergedLinear, RowParallelLinear, one_row_linear
 from runtime.models.ops import lookup
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Linear", "MergedLinear", "one_row_linear"]  # kept here for the layers that import them from this module
 
@@ -160,16 +164,33 @@ class Attention(nn.Module):
             logits_soft_cap=logits_soft_cap,
         )
         self.cache_index = layer_idx  # its KV cache among the step's (a pipeline stage holds some layers)
+        self.k_scale = self.v_scale = 1.0  # a checkpoint's per-tensor KV cache scales (``self_attn.k_scale`` ...)
+        self.kv_scales: tuple[float, float] | None = None  # in use: set for an 8-bit cache (apply_kv_scales)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, num_heads, head_size]; k, v: [T, num_kv_heads, head_size]
+        scales = self.kv_scales
+        if scales is not None:
+            # The cache holds k / k_scale and v / v_scale (vLLM's scaled FP8 cache); every backend
+            # stores what it is given, so the scales go around it: q . k = (q * k_scale) . (k / k_scale),
+            # and the output of values divided by v_scale is v_scale times too small.
+            q, k, v = q * scales[0], k / scales[0], v / scales[1]
         if torch.compiler.is_compiling():  # the backend runs eagerly inside compiled code (runtime.models.attention_op)
             from runtime.models.attention_op import compiled_attention
 
-            return compiled_attention(self.spec, self.cache_index, q, k, v)
-        ctx = get_forward_context()
-        kv_cache = ctx.kv_caches[self.cache_index]
-        return ctx.backend.forward(self.spec, q, k, v, kv_cache, ctx.metadata)  # [T, num_heads, head_size]
+            out = compiled_attention(self.spec, self.cache_index, q, k, v)
+        else:
+            ctx = get_forward_context()
+            kv_cache = ctx.kv_caches[self.cache_index]
+            out = ctx.backend.forward(self.spec, q, k, v, kv_cache, ctx.metadata)  # [T, num_heads, head_size]
+        return out if scales is None else out * scales[1]
+
+    def set_kv_scale(self, which: str, value: float) -> None:
+        """A checkpoint's scale for keys (``k``), values (``v``) or both (``kv``, the older single one)."""
+        if which in ("k", "kv"):
+            self.k_scale = value
+        if which in ("v", "kv"):
+            self.v_scale = value
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -177,3 +198,16 @@ class Attention(nn.Module):
             f"layer={s.layer_idx}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, "
             f"head_size={s.head_size}, window={s.sliding_window}"
         )
+
+
+def apply_kv_scales(model: nn.Module, cache_is_8bit: bool) -> int:
+    """Use the checkpoint's KV cache scales in every attention layer that has them when the cache
+    is 8-bit (as vLLM does; a 16-bit cache stores keys and values as they are). Returns the
+    number of layers that scale."""
+    scaled = [m for m in model.modules() if isinstance(m, Attention) and (m.k_scale, m.v_scale) != (1.0, 1.0)]
+    for layer in scaled:
+        layer.kv_scales = (layer.k_scale, layer.v_scale) if cache_is_8bit else None
+    if scaled and not cache_is_8bit:
+        logger.info("the checkpoint's KV cache scales (%d layers) are not used: they apply to an 8-bit cache "
+                    "(--kv-cache-dtype fp8)", len(scaled))
+    return len(scaled) if cache_is_8bit else 0

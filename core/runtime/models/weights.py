@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from runtime.models.layers import Linear, MergedLinear
+from runtime.models.layers import Attention, Linear, MergedLinear
 from runtime.models.pipeline import missing_layer_prefixes
 from runtime.models.quantize import quantized_layers
 
@@ -30,8 +30,9 @@ def load_hf_weights(
     """Load ``(name, tensor)`` pairs; return the model parameter names fully loaded.
 
     A fused parameter counts as loaded once all its shards arrived. With tied word
-    embeddings a checkpoint's ``lm_head.weight`` (if any) is skipped. A tensor that
-    matches no parameter, or has the wrong shape, is a ``ValueError``.
+    embeddings a checkpoint's ``lm_head.weight`` (if any) is skipped. KV cache scales
+    (``self_attn.k_scale`` ...) go to the attention layers. A tensor that matches no
+    parameter, or has the wrong shape, is a ``ValueError``.
     """
     params = dict(model.named_parameters())
     quantized = quantized_layers(model)
@@ -42,6 +43,8 @@ def load_hf_weights(
         if name.endswith(IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
             continue
         if other_stages and name.startswith(other_stages):
+            continue
+        if _load_kv_scale(model, name, tensor):
             continue
         fused = _fused_target(name, stacked)
         if _load_quantized(quantized, name, fused, tensor, shards_seen, loaded):
@@ -59,6 +62,42 @@ def load_hf_weights(
         if shards_seen[target] == set(module.shard_offsets):
             loaded.add(target)
     return loaded
+
+
+# A checkpoint's per-tensor KV cache scales (vLLM's names; compressed-tensors' older ones), and
+# which of the attention layer's scales each sets.
+KV_SCALE_SUFFIXES = {".k_scale": "k", ".v_scale": "v", ".kv_scale": "kv", ".k_proj.output_scale": "k",
+                     ".v_proj.output_scale": "v"}
+
+
+def _load_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Give ``self_attn.k_scale`` (and the like) to the attention layer; False if ``name`` is none."""
+    for suffix, which in KV_SCALE_SUFFIXES.items():
+        if not name.endswith(suffix):
+            continue
+        attn = _attention_layer(model, name[: -len(suffix)])
+        if attn is None:
+            return False
+        if tensor.numel() != 1:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {list(tensor.shape)}: a KV cache scale is one "
+                             "value per layer (per-tensor scales)")
+        value = float(tensor.float().reshape(()))
+        if not (value > 0 and value != float("inf")):
+            raise ValueError(f"checkpoint tensor {name!r} is {value}: a KV cache scale must be positive and finite")
+        attn.set_kv_scale(which, value)
+        return True
+    return False
+
+
+def _attention_layer(model: nn.Module, path: str) -> Attention | None:
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return None
+    if isinstance(module, Attention):
+        return module
+    child = getattr(module, "attn", None)
+    return child if isinstance(child, Attention) else None
 
 
 def _load_quantized(

@@ -13,6 +13,7 @@ from runtime.distributed import broadcast_from_last_stage, get_parallel_state
 from runtime.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from runtime.forward_context import set_forward_context
 from runtime.kv_transfer import KVConnectorRole, make_kv_connector
+from runtime.models.layers import apply_kv_scales
 from runtime.models.ops import custom_ops_scope, lookup
 from runtime.sample.bitmask import DeviceMaskTable, apply_token_bitmask, takes_slots
 from runtime.sample.metadata import greedy_metadata
@@ -90,6 +91,9 @@ class ModelRunner:
                 f"attention backend {self.attn_backend.name!r} does not support kv_cache_dtype {cache_dtype!r}; "
                 "use kv_cache_dtype 'auto' or a backend that does (cpu_paged, triton, sdpa)"
             )
+        scaled = apply_kv_scales(self.model, cache_dtype != "auto")
+        if scaled:
+            logger.info("8-bit KV cache with the checkpoint's per-tensor scales (%d attention layers)", scaled)
 
     def model_memory_bytes(self) -> int:
         proposer = self.spec_runner.memory_bytes() if self.spec_runner is not None else 0  # a draft model's weights
