@@ -52,7 +52,6 @@ def ints(text: str) -> tuple[int, ...]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    parser.add_argument("--k-rows", action="store_true", help="also try key tiles loaded as rows")
     parser.add_argument("--top", type=int, default=4)
     parser.add_argument("--segments", default="", help="comma-separated split-KV segment counts to try (decode cases; default: the launcher's choice)")
     parser.add_argument("--tile-n", default="32,64,128,256")
@@ -76,16 +75,15 @@ def main() -> None:
 
         block_ms = (None,) if query_len == 1 else (32, 64, 128)
         results = []
-        k_rows_options = (False, True) if args.k_rows else (False,)
         segment_options = (ints(args.segments) or (None,)) if query_len == 1 else (None,)
-        for block_m, tile_n, warps, stages, k_rows, segments in itertools.product(
-            block_ms, ints(args.tile_n), ints(args.warps), ints(args.stages), k_rows_options, segment_options
+        for block_m, tile_n, warps, stages, segments in itertools.product(
+            block_ms, ints(args.tile_n), ints(args.warps), ints(args.stages), segment_options
         ):
             def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps,
-                      stages=stages, k_rows=k_rows):
+                      stages=stages):
                 base = default_tiles(max_query_len, group, head_size, cache_bytes)
                 rows = block_m or base.block_m
-                return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages, k_rows)
+                return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages)
 
             attn.attention_tiles = tiles
             try:
@@ -95,12 +93,12 @@ def main() -> None:
                 continue
             finally:
                 attn.attention_tiles = default_tiles
-            results.append((ms, block_m, tile_n, warps, stages, k_rows, segments))
+            results.append((ms, block_m, tile_n, warps, stages, segments))
         base_ms = cuda_ms(run)
         results.sort(key=lambda r: r[0])
         print(f"{label}: default {base_ms * 1000:.1f} us ({rate(base_ms)})")
-        for ms, block_m, tile_n, warps, stages, k_rows, segments in results[:args.top]:
-            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}{' k_rows' if k_rows else ''}"
+        for ms, block_m, tile_n, warps, stages, segments in results[:args.top]:
+            print(f"   block_m={block_m} tile_n={tile_n:<4} warps={warps} stages={stages}"
                   f"{f' segments={segments}' if segments else ''}: "
                   f"{ms * 1000:.1f} us ({rate(ms)})")
 

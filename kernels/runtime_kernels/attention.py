@@ -33,7 +33,6 @@ class AttentionTiles:
     tile_n: int  # key positions per inner-loop step
     num_warps: int
     num_stages: int
-    k_rows: bool = False  # load key tiles as rows (keys x head) and transpose them in registers
 
 
 def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2) -> AttentionTiles:
@@ -146,7 +145,6 @@ def unified_attention(
         UPCAST=query.dtype == torch.bfloat16 and interpreting() and not f16_dots,
         F16_DOTS=f16_dots,
         NUM_SEGMENTS=num_segments,
-        K_ROWS=tiles.k_rows,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

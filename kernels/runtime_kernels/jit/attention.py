@@ -93,7 +93,6 @@ def unified_attention_kernel(
     UPCAST: tl.constexpr,
     F16_DOTS: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
-    K_ROWS: tl.constexpr = False,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,12 +142,8 @@ def unified_attention_kernel(
         kv_ok = (kv_pos < kv_end) & (kv_pos >= kv_begin)
         block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         slot = kv_pos % BLOCK_SIZE
-        if K_ROWS:  # keys loaded as rows, like values, and transposed in registers
-            k_offsets = block[:, None] * stride_k_block + slot[:, None] * stride_k_slot + kv_head * stride_k_head
-            k = tl.trans(tl.load(k_cache_ptr + k_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0))
-        else:
-            k_offsets = block[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-            k = tl.load(k_cache_ptr + k_offsets + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        k_offsets = block[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
+        k = tl.load(k_cache_ptr + k_offsets + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         v_offsets = block[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
         v = tl.load(v_cache_ptr + v_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         # The query's dtype: float32 under UPCAST; float16 from an FP8 cache under F16_DOTS
