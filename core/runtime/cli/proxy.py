@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+ROUTINGS = ("least_requests", "round_robin")  # runtime.entrypoints.proxy's (not imported here: fastapi is slow to load)
+
 
 def register(sub) -> None:
     parser = sub.add_parser("proxy", help="OpenAI-compatible front routing requests to prefill and decode instances")
@@ -9,6 +11,8 @@ def register(sub) -> None:
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' base URLs")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--routing", choices=ROUTINGS, default="least_requests",
+                        help="pick the instance with the fewest requests in flight from this proxy, or each in turn")
     parser.set_defaults(func=run)
 
 
@@ -18,5 +22,5 @@ def run(args) -> int:
     from runtime.entrypoints.proxy import run_proxy
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    run_proxy(args.prefill, args.decode, args.host, args.port)
+    run_proxy(args.prefill, args.decode, args.host, args.port, args.routing)
     return 0

@@ -4,8 +4,9 @@ Each completion or chat request goes to a prefill instance first, as it is but w
 ``max_tokens=1``, no streaming and ``kv_transfer_params: {"do_remote_decode": true}``; the
 prefill response's ``kv_transfer_params`` (where its KV blocks wait) are added to the original
 request, which goes to a decode instance and is answered from there, streamed or not. Instances
-are picked round-robin. Requests that cannot be split (``n > 1``, several prompts) go to a decode
-instance alone, which then computes the prompt itself.
+are picked by load (the fewest requests in flight from this proxy) or in turn (``--routing``).
+Requests that cannot be split (``n > 1``, several prompts) go to a decode instance alone, which
+then computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -24,22 +25,39 @@ CONNECT_TIMEOUT_S = 10.0
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
 
 
-class Backends:
-    """The prefill and decode instances' base URLs, each taken in turn."""
+ROUTINGS = ("least_requests", "round_robin")
 
-    def __init__(self, prefill: list[str], decode: list[str]):
+
+class Backends:
+    """The prefill and decode instances' base URLs, and the pick of one per request.
+
+    ``least_requests`` (the default) takes the instance of a pool with the fewest requests this
+    proxy has in flight to it (ties in turn); ``round_robin`` takes them in turn whatever their load.
+    """
+
+    def __init__(self, prefill: list[str], decode: list[str], routing: str = "least_requests"):
         if not prefill or not decode:
             raise ValueError("runtime proxy needs at least one --prefill URL and one --decode URL")
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing {routing!r} is not supported; choose one of: {', '.join(ROUTINGS)}")
+        self.routing = routing
         self.prefill = [url.rstrip("/") for url in prefill]
         self.decode = [url.rstrip("/") for url in decode]
-        self._prefill = itertools.cycle(self.prefill)
-        self._decode = itertools.cycle(self.decode)
+        self.in_flight = {"prefill": dict.fromkeys(self.prefill, 0), "decode": dict.fromkeys(self.decode, 0)}
+        self._turn = {"prefill": itertools.count(), "decode": itertools.count()}
 
-    def next_prefill(self) -> str:
-        return next(self._prefill)
+    def take(self, pool: str) -> str:
+        """An instance of ``pool`` ("prefill" or "decode") for one request; :meth:`give_back` it when done."""
+        loads = self.in_flight[pool]
+        urls = list(loads)
+        first = next(self._turn[pool]) % len(urls)
+        order = urls[first:] + urls[:first]  # ties (and round_robin) go in turn
+        url = order[0] if self.routing == "round_robin" else min(order, key=loads.__getitem__)
+        loads[url] += 1
+        return url
 
-    def next_decode(self) -> str:
-        return next(self._decode)
+    def give_back(self, pool: str, url: str) -> None:
+        self.in_flight[pool][url] -= 1
 
 
 def prefill_body(body: dict) -> dict:
@@ -76,16 +94,27 @@ def build_app(backends: Backends) -> FastAPI:
         body = await request.json()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         if can_split(body) and body.get("kv_transfer_params") is None:
-            prefill = await client().post(backends.next_prefill() + path, json=prefill_body(body), headers=headers)
+            url = backends.take("prefill")
+            try:
+                prefill = await client().post(url + path, json=prefill_body(body), headers=headers)
+            finally:
+                backends.give_back("prefill", url)
             if prefill.status_code != 200:
                 return Response(prefill.content, prefill.status_code, media_type="application/json")
             body = {**body, "kv_transfer_params": prefill.json().get("kv_transfer_params")}
-        upstream = client().build_request("POST", backends.next_decode() + path, json=body, headers=headers)
-        response = await client().send(upstream, stream=True)
-        if not body.get("stream") or response.status_code != 200:
-            content = await response.aread()
-            await response.aclose()
-            return Response(content, response.status_code, media_type=response.headers.get("content-type"))
+        url = backends.take("decode")
+        relaying = False  # from here the stream's end gives the instance back
+        try:
+            upstream = client().build_request("POST", url + path, json=body, headers=headers)
+            response = await client().send(upstream, stream=True)
+            if not body.get("stream") or response.status_code != 200:
+                content = await response.aread()
+                await response.aclose()
+                return Response(content, response.status_code, media_type=response.headers.get("content-type"))
+            relaying = True
+        finally:
+            if not relaying:
+                backends.give_back("decode", url)
 
         async def relay():
             try:
@@ -93,6 +122,7 @@ def build_app(backends: Backends) -> FastAPI:
                     yield chunk
             finally:
                 await response.aclose()  # a client that went away aborts the decode request too
+                backends.give_back("decode", url)
 
         return StreamingResponse(relay(), media_type="text/event-stream")
 
@@ -125,9 +155,9 @@ def build_app(backends: Backends) -> FastAPI:
     return app
 
 
-def run_proxy(prefill: list[str], decode: list[str], host: str, port: int) -> None:
+def run_proxy(prefill: list[str], decode: list[str], host: str, port: int, routing: str = "least_requests") -> None:
     import uvicorn
 
-    app = build_app(Backends(prefill, decode))
-    logger.info("proxy on %s:%d: prefill %s, decode %s", host, port, ", ".join(prefill), ", ".join(decode))
+    app = build_app(Backends(prefill, decode, routing))
+    logger.info("proxy on %s:%d (%s): prefill %s, decode %s", host, port, routing, ", ".join(prefill), ", ".join(decode))
     uvicorn.run(app, host=host, port=port, log_level="warning")
