@@ -4,10 +4,18 @@ instance after the other whatever its load. A request gives its instance back wh
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
+import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from support.remote_server import free_port, wait_for
 
 from runtime.cli.proxy import ROUTINGS as CLI_ROUTINGS
-from runtime.entrypoints.proxy import ROUTINGS, Backends
+from runtime.entrypoints.proxy import ROUTINGS, Backends, build_app
 
 P, D = ["http://p0", "http://p1/"], ["http://d0", "http://d1", "http://d2"]
 
@@ -37,3 +45,47 @@ def test_bad_routing_and_empty_pools_are_errors():
         Backends(P, D, "random")
     with pytest.raises(ValueError, match="at least one --prefill URL and one --decode URL"):
         Backends([], D)
+
+
+def instance_app() -> FastAPI:
+    """A stand-in prefill/decode server: completions answered whole, or streamed as two events."""
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        if (await request.json()).get("stream"):
+            async def events():
+                yield b'data: {"choices": [{"text": "a"}]}\n\n'
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"choices": [{"text": "a"}], "kv_transfer_params": {"remote_block_ids": [0]}}
+
+    return app
+
+
+@contextlib.contextmanager
+def serving(apps: list[FastAPI]):
+    """Each app on its own loopback port (uvicorn in a thread); yields their base URLs."""
+    servers = [uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")) for app in apps]
+    threads = [threading.Thread(target=server.run, daemon=True) for server in servers]
+    for thread in threads:
+        thread.start()
+    try:
+        assert wait_for(lambda: all(server.started for server in servers), 20)
+        yield [f"http://127.0.0.1:{server.config.port}" for server in servers]
+    finally:
+        for server, thread in zip(servers, threads):
+            server.should_exit = True
+            thread.join(10)
+
+
+def test_requests_give_their_instances_back():
+    """Through the proxy app over real HTTP, whole and streamed answers: nothing stays in flight."""
+    with serving([instance_app() for _ in range(3)]) as (prefill, *decode):
+        backends = Backends([prefill], decode)
+        with serving([build_app(backends)]) as (proxy,), httpx.Client(base_url=proxy, timeout=10) as client:
+            for stream in (False, True, False, True):
+                response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
+                assert response.status_code == 200 and '"a"' in response.text
+        assert backends.in_flight == {"prefill": {prefill: 0}, "decode": dict.fromkeys(decode, 0)}
