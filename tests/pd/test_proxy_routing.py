@@ -89,3 +89,16 @@ def test_requests_give_their_instances_back():
                 response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": stream})
                 assert response.status_code == 200 and '"a"' in response.text
         assert backends.in_flight == {"prefill": {prefill: 0}, "decode": dict.fromkeys(decode, 0)}
+
+
+def test_bad_bodies_and_dead_instances_are_openai_errors():
+    """Not JSON, or not an object: 400; an instance that does not answer: 502. OpenAI's error shape."""
+    backends = Backends([f"http://127.0.0.1:{free_port()}"], [f"http://127.0.0.1:{free_port()}"])  # nobody listens
+    with serving([build_app(backends)]) as (proxy,), httpx.Client(base_url=proxy, timeout=20) as client:
+        for content, status, message in ((b"{not json", 400, "not valid JSON"), (b"[1, 2]", 400, "must be a JSON object"),
+                                         (b'{"prompt": "x"}', 502, "did not answer (ConnectError")):
+            response = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert response.status_code == status, response.text
+            error = response.json()["error"]
+            assert message in error["message"] and error["type"] in ("invalid_request_error", "server_error")
+    assert backends.in_flight == {"prefill": dict.fromkeys(backends.prefill, 0), "decode": dict.fromkeys(backends.decode, 0)}

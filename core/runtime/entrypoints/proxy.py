@@ -74,6 +74,13 @@ def can_split(body: dict) -> bool:
     return body.get("n", 1) in (1, None) and not (several and len(prompt) > 1)
 
 
+def error(status: int, message: str) -> JSONResponse:
+    """An answer in OpenAI's error shape."""
+    from runtime.entrypoints.openai.errors import OpenAIError
+
+    return JSONResponse(OpenAIError(message, status).body(), status_code=status)
+
+
 def build_app(backends: Backends) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -91,7 +98,19 @@ def build_app(backends: Backends) -> FastAPI:
         return app.state.client
 
     async def route(request: Request, path: str):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:  # not JSON, or not UTF-8
+            return error(400, "the request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        try:
+            return await forward(request, path, body)
+        except httpx.HTTPError as exc:  # an instance that is down or went away mid-answer
+            logger.warning("proxying %s failed: %r", path, exc)
+            return error(502, f"an instance behind the proxy did not answer ({type(exc).__name__}: {exc})")
+
+    async def forward(request: Request, path: str, body: dict):
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
         if can_split(body) and body.get("kv_transfer_params") is None:
             url = backends.take("prefill")
