@@ -1,8 +1,8 @@
 """GPU: the fp8 method's decode-batch pieces on Llama-3-8B's linear layers, against bf16 cuBLAS.
 
 For ``--rows`` activation rows (256: W2's decode batch) prints, per layer shape, microseconds per
-call of the activation quantizer (one Triton launch per row block, at each ``num_warps`` of
-``--warps``), of cuBLASLt's FP8 GEMM with row-wise scales (``torch._scaled_mm``) and of bf16
+call of the activation quantizer (the fp8 method's one Triton launch, at each ``num_warps`` of
+``--warps``, its output buffers included), of cuBLASLt's FP8 GEMM with row-wise scales (``torch._scaled_mm``) and of bf16
 ``F.linear``, with the GEMMs' TFLOP/s, and the sum over one step of the 8B model (x 32 layers).
 
     python plugins/quant/bench/fp8_gpu.py [--rows 256] [--warps 4,8,16]
@@ -17,7 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from runtime_quant.jit_gemm import row_quantize_kernel
+from runtime_quant.gpu import _row_quantize
 from runtime_quant.scheme import FP8, MIN_SCALE, quant_max
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -41,19 +41,6 @@ def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
-def quantize_call(x: torch.Tensor, warps: int):
-    rows, cols = x.shape
-    codes = torch.empty(rows, cols, dtype=FP8, device=x.device)
-    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    block = min(4096, max(16, 1 << (cols - 1).bit_length()))
-
-    def call():
-        row_quantize_kernel[(rows,)](x, codes, scales, scales, cols, x.stride(0), codes.stride(0), QMAX=quant_max(FP8),
-                                     MIN_SCALE=MIN_SCALE, STATIC=False, ROUND=False, BLOCK=block, num_warps=warps)
-
-    return call, codes, scales
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -68,10 +55,10 @@ def main() -> None:
         w8 = (w16.float() / scale_w[:, None]).to(FP8)
         line = [f"{name:<8} {n:>6} x {k:<6}"]
         for nw in warps:
-            call, codes, scales = quantize_call(x, nw)
-            us = graph_us(call)
+            us = graph_us(lambda nw=nw: _row_quantize(x, FP8, num_warps=nw))
             totals[f"quantize w{nw}"] = totals.get(f"quantize w{nw}", 0.0) + us * NUM_LAYERS
             line.append(f"quantize w{nw} {us:6.1f}")
+        codes, scales = _row_quantize(x, FP8)
         flop = 2 * args.rows * n * k
         mm = graph_us(lambda: torch._scaled_mm(codes, w8.t(), scale_a=scales, scale_b=scale_w.view(1, n),
                                                out_dtype=torch.bfloat16))

@@ -56,9 +56,10 @@ def triton_scaled_gemm_supports(scheme: W8A8Scheme, device: torch.device) -> boo
     )
 
 
-def _row_quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None):
+def _row_quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None, num_warps: int | None = None):
     """``x`` [T, in] -> (codes [T, in], float32 scales [T, 1]) in one launch; ``scale`` (a
-    scalar tensor) for static activations."""
+    scalar tensor) for static activations. ``num_warps`` per row: the measured choice unless given
+    (plugins/quant/bench/fp8_gpu.py compares them)."""
     from runtime_quant.jit_gemm import row_quantize_kernel
 
     rows, cols = x.shape
@@ -72,7 +73,8 @@ def _row_quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
             x, codes, scales, scale if scale is not None else scales, cols, x.stride(0), codes.stride(0),
             QMAX=quant_max(dtype), MIN_SCALE=MIN_SCALE, STATIC=scale is not None, ROUND=dtype == INT8,
             BLOCK=min(4096, max(16, 1 << (cols - 1).bit_length())),
-            num_warps=16 if cols >= 8192 else 8,  # H100, 256 rows: 0.50 ms a step of the 8B model, 0.67 at 4 warps
+            # H100, 256 rows: 0.50 ms a step of the 8B model, 0.67 at 4 warps
+            num_warps=num_warps or (16 if cols >= 8192 else 8),
         )
     return (codes.to(dtype) if torch_rounds else codes), scales
 
