@@ -42,7 +42,11 @@ class KVConnectorScheduler(Protocol):
     ``has_pending_work()`` (a step is still needed to save blocks), ``get_stats()``
     (cumulative counters for the scheduler stats and /metrics), ``get_finished_recving()``
     (requests whose asynchronous loads ended: request id -> None or why it failed),
-    ``set_handshake_metadata(per_rank)`` (once, before the first request: every worker rank's
+    ``loads_in_background(request)`` (the tokens this lookup counted are written while steps run
+    without the request: it gets blocks for them alone, kept out of the prefix cache, and waits
+    holding them), ``get_finished_loading()`` (those background loads that ended: a set of request
+    ids done, and a dict of failed ones: id -> why the request fails, or None to compute its prompt
+    here), ``set_handshake_metadata(per_rank)`` (once, before the first request: every worker rank's
     ``get_handshake_metadata()``, in rank order), ``update_connector_output(per_rank)`` (after
     each step: every worker rank's ``get_connector_output()`` for that step, in rank order; with
     several ranks the step is back only once every rank has finished it).

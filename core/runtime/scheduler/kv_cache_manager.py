@@ -76,10 +76,14 @@ class KVCacheManager:
         return blocks, num_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,
+        cache: bool = True,
     ) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens; returns the new block ids, or
-        None (changing nothing) when the pool cannot supply them."""
+        None (changing nothing) when the pool cannot supply them.
+
+        ``cache=False`` leaves the new blocks out of the prefix cache (their contents arrive
+        later, e.g. a KV load in the background); a later call for the request indexes them."""
         blocks = self.req_blocks.get(request.request_id)
         if blocks is not None and not computed_blocks:
             # A running request (usually one decode token): often no new block at all.
@@ -107,7 +111,7 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, blocks)
         blocks.extend(computed_blocks)
         blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, blocks, total)
         return [b.block_id for b in computed_blocks + new_blocks]
 

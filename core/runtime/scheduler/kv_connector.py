@@ -22,6 +22,13 @@ The scheduler calls this module at five points and nothing else of the connector
    (:meth:`take_loaded`); it is then admitted again and asked again. A connector with
    ``get_finished_sending`` holds a finished request's blocks until it names the request
    (a remote decode pulled them, or their lease expired) instead of until the next step.
+6. background loads: a connector whose ``loads_in_background(request)`` says so gets the
+   request's blocks for its external tokens only, left out of the prefix cache, and the request
+   waits holding them (:meth:`start_loading`) while steps run without it, so a long copy holds
+   no step; once ``get_finished_loading`` names it (:meth:`take_background_loads`) it is admitted
+   with those tokens computed and its blocks are indexed. One aborted meanwhile keeps its blocks
+   until then (the copy still writes them); a failed load frees them and the request computes
+   its prompt here, or fails with the connector's reason.
 """
 
 from __future__ import annotations
@@ -49,8 +56,13 @@ class SchedulerConnector:
         self._finished_recving = getattr(connector, "get_finished_recving", None)
         self._finished_sending = getattr(connector, "get_finished_sending", None)
         self._update_output = getattr(connector, "update_connector_output", None)
+        self._in_background = getattr(connector, "loads_in_background", None)
+        self._finished_loading = getattr(connector, "get_finished_loading", None)
         self.waiting_remote: dict[str, Request] = {}  # request id -> request whose KV loads from afar
         self.held: dict[str, list] = {}  # request id -> blocks held until get_finished_sending names it
+        self.loading: dict[str, Request] = {}  # request id -> request whose blocks a background load writes
+        self.loaded: set[str] = set()  # background loads done: admitted next (their blocks already allocated)
+        self.held_loading: dict[str, list] = {}  # aborted while loading: blocks held until the load ends
 
     # ---------------------------------------------------------------- admission
     def num_external_tokens(self, request: Request, num_device_cached: int) -> int | None:
@@ -83,6 +95,39 @@ class SchedulerConnector:
                 (ready.append(request) if error is None else failed.append((request, error)))
         return ready, failed
 
+    def loads_in_background(self, request: Request, num_external: int) -> bool:
+        """Whether the connector writes ``request``'s external tokens while steps run without it."""
+        return bool(num_external) and self._in_background is not None and bool(self._in_background(request))
+
+    def start_loading(self, request: Request, num_computed: int) -> None:
+        """``request`` holds its blocks and waits for its background load (:meth:`take_background_loads`)."""
+        request.num_computed_tokens = num_computed
+        self.loading[request.request_id] = request
+
+    def take_background_loads(self, idle: bool) -> tuple[list[Request], list[Request], list[tuple[Request, str]]]:
+        """Background loads that ended: (loaded: admit them, failed: compute their prompt here,
+        (failed, why): fail them). When nothing else runs (``idle``), wait a moment for one."""
+        loaded, failed = self._finished_loading()
+        if not loaded and not failed and idle:
+            time.sleep(REMOTE_POLL_S)
+            loaded, failed = self._finished_loading()
+        ready, recompute, fail = [], [], []
+        for req_id in loaded | set(failed):
+            if req_id in self.held_loading:
+                self._release([self.held_loading.pop(req_id)])
+                continue
+            request = self.loading.pop(req_id, None)
+            if request is None:
+                continue
+            if req_id in loaded:
+                self.loaded.add(req_id)
+                ready.append(request)
+                continue
+            self.kv.free(request)  # its external blocks were never indexed: nobody else reads them
+            request.num_computed_tokens = 0
+            (recompute.append(request) if failed[req_id] is None else fail.append((request, failed[req_id])))
+        return ready, recompute, fail
+
     def after_alloc(self, request: Request, num_external: int) -> None:
         self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
         self.num_external_hit_tokens += num_external
@@ -96,7 +141,12 @@ class SchedulerConnector:
         """Free a finished request's blocks, or hold them while the connector saves or sends them;
         returns the connector's transfer parameters for the client (or None)."""
         self.waiting_remote.pop(request.request_id, None)
+        self.loaded.discard(request.request_id)
         delay, params = self.connector.request_finished(request, self.kv.block_ids(request.request_id))
+        if self.loading.pop(request.request_id, None) is not None:
+            self.kv.num_cached_blocks.pop(request.request_id, None)  # the load still writes its blocks
+            self.held_loading[request.request_id] = self.kv.req_blocks.pop(request.request_id, [])
+            return params
         if not delay:
             self.kv.free(request)
             return params
@@ -157,12 +207,13 @@ class SchedulerConnector:
     def has_pending_work(self) -> bool:
         """Blocks are held for a step, requests wait for remote loads, or the connector has work
         for a step (saves, released or expired leases)."""
-        return bool(self.unsent or self.in_flight or self.waiting_remote) or bool(self._pending_work and self._pending_work())
+        return bool(self.unsent or self.in_flight or self.waiting_remote or self.loading or self.held_loading) or bool(
+            self._pending_work and self._pending_work())
 
     def stats(self) -> dict:
         stats = {"kv_offload_hit_tokens": self.num_external_hit_tokens}
         if self._finished_recving is not None:
-            stats["num_waiting_for_remote_kv"] = len(self.waiting_remote)
+            stats["num_waiting_for_remote_kv"] = len(self.waiting_remote) + len(self.loading)
         if self._stats is not None:
             stats.update(self._stats())
         return stats

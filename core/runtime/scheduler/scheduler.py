@@ -21,6 +21,9 @@ from runtime.scheduler.request import Request, RequestStatus
 from runtime.scheduler.stopping import SpecDecodeStats
 from runtime.scheduler.structured_output import StructuredOutputManager
 
+_PARKED = object()  # _admit: the request left the waiting queue to wait for its KV
+
+
 class Scheduler:
     def __init__(
         self,
@@ -82,8 +85,9 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting_for_grammar:
                 self.waiting_for_grammar.remove(request)
-            elif self.kv_connector is not None and request.request_id in self.kv_connector.waiting_remote:
-                pass  # its remote load is dropped when it is freed
+            elif self.kv_connector is not None and (
+                    request.request_id in self.kv_connector.waiting_remote or request.request_id in self.kv_connector.loading):
+                pass  # its remote load is dropped (or its blocks held until its background load ends) when it is freed
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -113,7 +117,7 @@ class Scheduler:
             self.kv_connector is not None and self.kv_connector.has_pending_work())
 
     def get_num_unfinished_requests(self) -> int:
-        remote = 0 if self.kv_connector is None else len(self.kv_connector.waiting_remote)
+        remote = 0 if self.kv_connector is None else len(self.kv_connector.waiting_remote) + len(self.kv_connector.loading)
         return len(self.waiting) + len(self.running) + len(self.waiting_for_grammar) + remote
 
     def only_waiting_for_grammar(self) -> bool:
@@ -141,10 +145,15 @@ class Scheduler:
         """Free blocks the connector is done sending; admit (or fail) requests whose remote KV arrived."""
         connector = self.kv_connector
         connector.release_sent()
-        if not connector.waiting_remote:
-            return
-        ready, failed = connector.take_loaded(idle=not (self.waiting or self.running))
-        self.waiting.extend(ready)
+        failed = []
+        if connector.loading or connector.held_loading:
+            loaded, recompute, failed = connector.take_background_loads(idle=not (self.waiting or self.running))
+            self.waiting[:0] = loaded  # admitted first: they hold their blocks already
+            self.waiting.extend(recompute)
+        if connector.waiting_remote:
+            ready, failed_remote = connector.take_loaded(idle=not (self.waiting or self.running or connector.loading))
+            self.waiting.extend(ready)
+            failed += failed_remote
         for request, why in failed:
             request.status = RequestStatus.FINISHED_ABORTED
             self._free(request)
@@ -304,24 +313,15 @@ class Scheduler:
         """Waiting requests, while budget, sequence slots and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting()
-            computed_blocks, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_external = 0 if self.kv_connector is None else self.kv_connector.num_external_tokens(request, num_cached)
-            if num_external is None:  # its KV comes from a remote engine: it waits without blocks
-                self.waiting.remove(request)
-                self.kv_connector.wait_remote(request, num_cached)  # looked up again when it is back
-                continue
-            num_new = request.num_tokens - num_cached - num_external
-            block_ids = None
-            if self.config.enable_chunked_prefill or num_new <= budget:
-                num_new = min(num_new, budget)
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new + num_external, computed_blocks)
-            if block_ids is None:
-                if num_external:
-                    self.kv_connector.alloc_failed(request)
+            if self.kv_connector is not None and request.request_id in self.kv_connector.loaded:
+                admitted = self._admit_loaded(request, budget)
+            else:
+                admitted = self._admit(request, budget)
+            if admitted is None:
                 break
-            if self.kv_connector is not None:
-                self.kv_connector.after_alloc(request, num_external)  # loaded before this step's forward pass
-                num_cached += num_external
+            if admitted is _PARKED:
+                continue
+            block_ids, num_cached, num_new = admitted
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -341,6 +341,52 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             self._advance(request, num_new)
             budget -= num_new
+
+    def _admit(self, request: Request, budget: int) -> tuple[list[int], int, int] | object | None:
+        """A waiting request's prefix-cache hit, connector tokens and blocks: (its block ids, tokens
+        computed, tokens to schedule); ``_PARKED`` when it left the queue to wait for its KV (a
+        remote pull, or a background load into its new blocks); None when it does not fit this step."""
+        kv = self.kv_cache_manager
+        computed_blocks, num_cached = kv.get_computed_blocks(request)
+        num_external = 0 if self.kv_connector is None else self.kv_connector.num_external_tokens(request, num_cached)
+        if num_external is None:  # its KV comes from a remote engine: it waits without blocks
+            self.waiting.remove(request)
+            self.kv_connector.wait_remote(request, num_cached)  # looked up again when it is back
+            return _PARKED
+        if self.kv_connector is not None and self.kv_connector.loads_in_background(request, num_external):
+            if kv.allocate_slots(request, num_external, computed_blocks, cache=False) is None:
+                self.kv_connector.alloc_failed(request)
+                return None
+            self.kv_connector.after_alloc(request, num_external)  # its load runs while steps go on
+            self.waiting.remove(request)
+            self.kv_connector.start_loading(request, num_cached + num_external)
+            return _PARKED
+        num_new = request.num_tokens - num_cached - num_external
+        block_ids = None
+        if self.config.enable_chunked_prefill or num_new <= budget:
+            num_new = min(num_new, budget)
+            block_ids = kv.allocate_slots(request, num_new + num_external, computed_blocks)
+        if block_ids is None:
+            if num_external:
+                self.kv_connector.alloc_failed(request)
+            return None
+        if self.kv_connector is not None:
+            self.kv_connector.after_alloc(request, num_external)  # loaded before this step's forward pass
+        return block_ids, num_cached + num_external, num_new
+
+    def _admit_loaded(self, request: Request, budget: int) -> tuple[list[int], int, int] | None:
+        """A request whose background KV load ended: (all its block ids, tokens computed, tokens to
+        schedule), with blocks for the rest of its prompt (the loaded ones join the prefix cache
+        now); None when the budget or the pool cannot take it this step."""
+        num_cached = request.num_computed_tokens
+        num_new = request.num_tokens - num_cached
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            return None
+        self.kv_connector.loaded.discard(request.request_id)
+        return self.kv_cache_manager.block_ids(request.request_id), num_cached, num_new
 
     # ---------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:

@@ -3,10 +3,10 @@
 Producer: exports its layers' CUDA IPC handles once (:func:`runtime_pd.cuda_ipc.export_layers`)
 and answers a pull of leased blocks with them and the time the lease still holds, instead of
 the blocks' bytes. Consumer: opens a prefill instance's handles once (cached by export), and per
-:class:`runtime_pd.ipc_scheduler.PeerLoad` copies the blocks on a side stream that first waits
-for the step stream (the blocks it writes may be read by steps still queued), makes the step
-stream wait for the copy (the forward pass reads them) and, once the copy is done, tells the
-prefill instance it may free them.
+:class:`runtime_pd.ipc_scheduler.PeerLoad` copies the blocks in the background as the
+TcpConnector writes its pulled ones (a side stream the step stream never waits for; the request
+runs once a step's report names its copy done) and, once the copy is done, tells the prefill
+instance it may free them.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ class CudaIpcConnectorWorker(TcpConnectorWorker):
             why = startup_problem(self.device_uuid, self.access, host_gpu_count())
             if why is not None:
                 raise ValueError(why)
-            self.stream = torch.cuda.Stream(device)
             self.context = zmq.Context()
             self.notifier = ThreadPoolExecutor(1, thread_name_prefix="pd-ipc-notice")
         if self.settings.is_producer:  # before the block server starts answering pulls
@@ -75,7 +74,7 @@ class CudaIpcConnectorWorker(TcpConnectorWorker):
         return ClaimReply(error=error), []
 
     # ---------------------------------------------------------------- consumer
-    def load(self, entry) -> None:
+    def load(self, request_id: str, entry) -> None:
         if not isinstance(entry, PeerLoad):
             raise TypeError(f"{NAME}: unexpected load {type(entry).__name__}")
         sources = self.peers.get(entry.export.key)
@@ -83,21 +82,17 @@ class CudaIpcConnectorWorker(TcpConnectorWorker):
             try:
                 sources = self.peers[entry.export.key] = open_layers(entry.export, self.device)
             except RuntimeError as exc:
+                send_pulled(self.context, entry.params)  # nothing was copied: the prefill instance may free them
                 raise RuntimeError(f"{NAME}: cannot open the KV cache of the prefill instance on GPU "
                                    f"{entry.export.device_uuid} ({exc})") from exc
-        main = torch.cuda.current_stream(self.device)
-        dst = torch.tensor(entry.block_ids, dtype=torch.int64, device=self.device)
-        src = torch.tensor(entry.remote_block_ids, dtype=torch.int64, device=self.device)
-        self.stream.wait_stream(main)  # the step stream's earlier reads and writes of these blocks come first
-        with torch.cuda.stream(self.stream):
-            for layer, source in zip(self.layers, sources):
-                layer.index_copy_(0, dst, source.index_select(0, src))  # the reads cross NVLink
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        dst.record_stream(self.stream)
-        src.record_stream(self.stream)
-        main.wait_event(done)  # the forward pass reads the copied blocks
-        self.notifier.submit(self._notify_when_done, done, entry.params)
+        src = entry.remote_block_ids
+        self.in_background(request_id, lambda ids: self._copy(sources, ids, src), entry.block_ids)
+        self.notifier.submit(self._notify_when_done, self.writes[request_id], entry.params)
+
+    def _copy(self, sources: list[torch.Tensor], dst: torch.Tensor, remote_block_ids: list[int]) -> None:
+        src = torch.tensor(remote_block_ids, dtype=torch.int64, device=self.device)
+        for layer, source in zip(self.layers, sources):
+            layer.index_copy_(0, dst, source.index_select(0, src))  # the reads cross NVLink
 
     def _notify_when_done(self, done: torch.cuda.Event, params: dict) -> None:
         done.synchronize()

@@ -7,8 +7,11 @@ holds the blocks until :meth:`get_finished_sending` names the request.
 
 Decode (``do_remote_prefill``): the first lookup starts a pull and answers "loads
 asynchronously", so the request waits holding no blocks; once :meth:`get_finished_recving`
-names it, the next lookup counts the pulled tokens past the device prefix hit, and the
-step that admits it writes them into its new blocks before its forward pass.
+names it, the next lookup counts the pulled tokens past the device prefix hit and the
+request gets blocks for them. The worker writes them in the background (on a side stream
+on a GPU) while steps run without the request; once the worker reports the write done
+(:meth:`update_connector_output`, :meth:`get_finished_loading`) the request is admitted with
+those tokens computed. A long copy never holds a decode step.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ _PULLING, _DONE = "pulling", "done"  # pull states besides Staged blocks
 class PDMetadata(KVConnectorMetadata):
     leases: dict[str, list[int]] = field(default_factory=dict)  # request id -> block ids now served
     unleases: list[str] = field(default_factory=list)  # requests whose blocks are no longer served
-    loads: list = field(default_factory=list)  # what to write: Staged.load_entry's (block ids, per-layer tensors)
+    loads: list = field(default_factory=list)  # what to write: (request id, Staged.load_entry)
     lease_deadlines: dict[str, float] = field(default_factory=dict)  # request id -> time.monotonic() its lease ends
+    poll: bool = False  # background writes are under way: the step must reach the worker to hear of them
 
     @property
     def is_empty(self) -> bool:
-        return not (self.leases or self.unleases or self.loads)
+        return not (self.leases or self.unleases or self.loads or self.poll)
 
 
 class TcpConnectorScheduler:
@@ -52,6 +56,10 @@ class TcpConnectorScheduler:
         self.puller = self.make_puller() if s.is_consumer else None
         self.pulls: dict[str, object] = {}  # request id -> _PULLING, Staged, _DONE, or why it failed
         self.num_failed_pulls = 0
+        self.writing: dict[str, int] = {}  # request id -> worker ranks that reported its background write
+        self.written: set[str] = set()  # background writes every rank finished
+        self.write_failures: dict[str, str] = {}  # request id -> why a rank's write failed
+        self.num_ranks = 1
 
     def make_puller(self) -> Puller:
         """The decode side's puller (a connector whose blocks travel otherwise returns its own)."""
@@ -124,6 +132,10 @@ class TcpConnectorScheduler:
             ended[request_id] = result if self.settings.on_transfer_failure == "fail" else None
         return ended
 
+    def loads_in_background(self, request) -> bool:
+        """Pulled blocks are written while steps run without the request (see the module docstring)."""
+        return isinstance(self.pulls.get(request.request_id), Staged)
+
     def update_state_after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         state = self.pulls.get(request.request_id)
         if not isinstance(state, Staged) or (not num_external_tokens and not block_ids):
@@ -132,9 +144,40 @@ class TcpConnectorScheduler:
         if num_external_tokens:
             num_blocks = state.num_tokens // self.block_size
             first = num_blocks - num_external_tokens // self.block_size
-            self.metadata.loads.append(state.load_entry(block_ids, first, num_blocks))
+            self.metadata.loads.append((request.request_id, state.load_entry(block_ids, first, num_blocks)))
+            self.writing[request.request_id] = 0
         else:
             self._release(request, state)  # the device prefix cache held them all
+
+    def update_connector_output(self, per_rank: list) -> None:
+        """The workers' reports of a step: background writes finished (on every rank) or failed."""
+        self.num_ranks = max(self.num_ranks, len(per_rank))
+        for report in per_rank:
+            if not report:
+                continue
+            for request_id, why in report.get("failed", {}).items():
+                self.write_failures.setdefault(request_id, why)
+            for request_id in report.get("written", ()):
+                if request_id in self.writing:
+                    self.writing[request_id] += 1
+        for request_id in [r for r, n in self.writing.items() if n >= self.num_ranks or r in self.write_failures]:
+            del self.writing[request_id]
+            if request_id not in self.write_failures:
+                self.written.add(request_id)
+
+    def get_finished_loading(self) -> tuple[set[str], dict[str, str | None]]:
+        """(background writes done, failed writes: why the request fails, or None to compute it here)."""
+        written, self.written = self.written, set()
+        failed = {}
+        for request_id, why in self.write_failures.items():
+            self.writing.pop(request_id, None)
+            self.num_failed_pulls += 1
+            logger.warning("request %s: %s", request_id, why)
+            if request_id in self.pulls:
+                self.pulls[request_id] = why  # its next lookup computes the prompt here
+            failed[request_id] = why if self.settings.on_transfer_failure == "fail" else None
+        self.write_failures = {}
+        return written, failed
 
     # ---------------------------------------------------------------- prefill side
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
@@ -178,10 +221,11 @@ class TcpConnectorScheduler:
     # ---------------------------------------------------------------- steps
     def build_connector_meta(self, scheduler_output) -> PDMetadata:
         metadata, self.metadata = self.metadata, PDMetadata()
+        metadata.poll = bool(self.writing)
         return metadata
 
     def has_pending_work(self) -> bool:
-        return not self.metadata.is_empty or (self.leases is not None and self.leases.has_due())
+        return not self.metadata.is_empty or bool(self.writing) or (self.leases is not None and self.leases.has_due())
 
     def get_stats(self) -> dict:
         stats = {"kv_transfer_failed_pulls": self.num_failed_pulls}

@@ -1,5 +1,8 @@
 """The TcpConnector's worker half: serves leased blocks to decode instances (producer) and
-writes pulled blocks into the cache before the forward pass (consumer).
+writes pulled blocks into the cache (consumer) in the background: on a GPU on a side stream that
+first waits for the step stream (the blocks may have been read by steps still queued), which the
+step stream never waits for; each step's report names the requests whose writes are done (the
+scheduler admits them only then) and those whose writes failed.
 
 The scheduler half tells this half, through each step's metadata, which blocks are leased to
 which request (and when a lease ends): the server answers only pulls of leased blocks, so a
@@ -32,9 +35,15 @@ class TcpConnectorWorker:
         self.leases: dict[str, list[int]] = {}  # request id -> leased block ids
         self.lock = threading.Condition()
         self.server: BlockServer | None = None
+        self.stream: torch.cuda.Stream | None = None  # background writes on a GPU
+        self.writes: dict[str, object] = {}  # request id -> the CUDA event of its background write
+        self.written: list[str] = []  # writes done since the last report
+        self.failed: dict[str, str] = {}  # request id -> why its write failed, since the last report
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int = 1) -> None:
         self.layers = [cache.movedim(block_dim, 0) for cache in kv_caches]
+        if self.settings.is_consumer and self.layers[0].device.type == "cuda" and self.stream is None:
+            self.stream = torch.cuda.Stream(self.layers[0].device)
         if self.settings.is_producer:
             self.server = BlockServer(self, f"tcp://{self.settings.host}:{self.settings.port}")
 
@@ -46,25 +55,60 @@ class TcpConnectorWorker:
                     self.leases.pop(req_id, None)
                 self.leases.update(metadata.leases)
                 self.lock.notify_all()
-        for load in metadata.loads:
-            self.load(load)
+        for request_id, entry in metadata.loads:
+            try:
+                self.load(request_id, entry)
+            except Exception as exc:  # noqa: BLE001 - the request falls back (or fails), the engine goes on
+                logger.exception("writing the pulled KV blocks of request %s failed", request_id)
+                self.failed[request_id] = f"KV transfer failed: {exc}"
 
-    def load(self, entry) -> None:
-        """Write one load of the step's metadata (a ``Staged.load_entry``) into the cache."""
-        self._write(*entry)
+    def load(self, request_id: str, entry) -> None:
+        """Start writing one load of the step's metadata (a ``Staged.load_entry``) into the cache."""
+        block_ids, tensors = entry
+        self.check_layers([(t.dtype, tuple(t.shape[1:])) for t in tensors], "sent")
+        self.in_background(request_id, lambda ids: [
+            layer.index_copy_(0, ids, blocks.to(layer.device, non_blocking=True)) for layer, blocks in zip(self.layers, tensors)
+        ], block_ids)
 
-    def _write(self, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
-        if len(tensors) != len(self.layers):
-            raise ValueError(f"TcpConnector: the prefill instance sent {len(tensors)} layers, this cache has {len(self.layers)}")
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].device)
-        for i, (layer, blocks) in enumerate(zip(self.layers, tensors)):
-            if blocks.dtype != layer.dtype or blocks.shape[1:] != layer.shape[1:]:
+    def check_layers(self, layers: list[tuple], verb: str) -> None:
+        """The prefill instance's layers (dtype, block shape) match this cache's; else a clear error."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"the prefill instance {verb} {len(layers)} layers, this cache has {len(self.layers)}")
+        for i, ((dtype, shape), layer) in enumerate(zip(layers, self.layers)):
+            if dtype != layer.dtype or tuple(shape) != tuple(layer.shape[1:]):
                 raise ValueError(
-                    f"TcpConnector: layer {i} blocks of the prefill instance are {blocks.dtype} {tuple(blocks.shape[1:])}, "
-                    f"this cache's are {layer.dtype} {tuple(layer.shape[1:])}: run both instances with the same model, "
-                    "dtype, block size and attention backend"
+                    f"layer {i} blocks of the prefill instance are {dtype} {tuple(shape)}, this cache's are "
+                    f"{layer.dtype} {tuple(layer.shape[1:])}: run both instances with the same model, dtype, block size "
+                    "and attention backend"
                 )
-            layer.index_copy_(0, ids, blocks.to(layer.device, non_blocking=True))
+
+    def in_background(self, request_id: str, write, block_ids: list[int]) -> None:
+        """Run ``write(ids)`` (``ids``: ``block_ids`` on the cache's device); on a GPU on the side
+        stream, done once its event is (see the module docstring)."""
+        device = self.layers[0].device
+        if self.stream is None:
+            write(torch.tensor(block_ids, dtype=torch.int64, device=device))
+            self.written.append(request_id)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # earlier steps' reads of these blocks come first
+        with torch.cuda.stream(self.stream):
+            ids = torch.tensor(block_ids, dtype=torch.int64, device=device)
+            write(ids)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self.writes[request_id] = done
+
+    def get_connector_output(self) -> dict | None:
+        """This step's report: background writes done, and failed ones (None when neither)."""
+        for request_id, done in list(self.writes.items()):
+            if done.query():
+                del self.writes[request_id]
+                self.written.append(request_id)
+        if not self.written and not self.failed:
+            return None
+        report = {"written": self.written, "failed": self.failed}
+        self.written, self.failed = [], {}
+        return report
 
     def wait_for_save(self) -> None:
         pass  # blocks leave through the server, not through steps
