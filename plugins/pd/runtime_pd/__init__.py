@@ -6,7 +6,8 @@ decode instance (``kv_both`` for either). The flow is pull-based, as vLLM's Nixl
 a request whose ``kv_transfer_params`` ask ``do_remote_decode`` keeps its prompt blocks under a
 lease after it finishes and returns where to fetch them; the decode instance, given the same
 request with those parameters (``do_remote_prefill``), waits without blocks while a thread
-pulls them into host memory, loads them into its cache and computes only the prompt's tail.
+pulls them into host memory, writes them into its cache in the background (the steps of other
+requests go on) and computes only the prompt's last token.
 Ports: ``kv_port`` serves blocks (the worker), ``kv_port + 1`` takes "pulled" notices (the
 scheduler). ``kv_connector_extra_config``: ``lease_s``, ``pull_timeout_s``,
 ``on_transfer_failure`` (``recompute`` or ``fail``), ``checksum``.

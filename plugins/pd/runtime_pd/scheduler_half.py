@@ -1,7 +1,8 @@
 """The TcpConnector's scheduler half: leases on the prefill side, pulls on the decode side.
 
-Prefill (``do_remote_decode``): when the request finishes, its full prompt blocks (all but the
-block of the last prompt token, which the decode instance computes to sample) are leased and
+Prefill (``do_remote_decode``): when the request finishes, the blocks of its prompt but the
+last token (which the decode instance computes to sample: a one-token row, as a decode step's,
+so that step still runs as a captured graph) are leased, the last of them maybe partly full, and
 the request's output carries ``kv_transfer_params`` saying where to pull them; the scheduler
 holds the blocks until :meth:`get_finished_sending` names the request.
 
@@ -97,7 +98,7 @@ class TcpConnectorScheduler:
         if missing:
             return f"kv_transfer_params lacks {', '.join(missing)} (pass on the prefill response's kv_transfer_params)"
         num_tokens = int(params["num_remote_tokens"])
-        if params.get("block_size") != self.block_size or num_tokens != len(params["remote_block_ids"]) * self.block_size:
+        if params.get("block_size") != self.block_size or len(params["remote_block_ids"]) != -(-num_tokens // self.block_size):
             return f"the prefill instance's block size {params.get('block_size')} differs from this one's {self.block_size}"
         if num_tokens >= request.num_prompt_tokens or prompt_digest(request.prompt_token_ids[:num_tokens]) != params.get("prompt_digest"):
             return "the prompt differs from the one the prefill instance computed"
@@ -141,9 +142,9 @@ class TcpConnectorScheduler:
         if not isinstance(state, Staged) or (not num_external_tokens and not block_ids):
             return  # nothing pulled, or no blocks this step (the request tries again)
         self.pulls[request.request_id] = _DONE
-        if num_external_tokens:
-            num_blocks = state.num_tokens // self.block_size
-            first = num_blocks - num_external_tokens // self.block_size
+        if num_external_tokens:  # from a device prefix hit of whole blocks to the (maybe partial) last one
+            num_blocks = -(-state.num_tokens // self.block_size)
+            first = (state.num_tokens - num_external_tokens) // self.block_size
             self.metadata.loads.append((request.request_id, state.load_entry(block_ids, first, num_blocks)))
             self.writing[request.request_id] = 0
         else:
@@ -191,8 +192,8 @@ class TcpConnectorScheduler:
             return False, None
         if request.status == RequestStatus.FINISHED_ABORTED:
             return False, None
-        num_blocks = min((request.num_prompt_tokens - 1) // self.block_size, len(block_ids))
-        num_tokens = num_blocks * self.block_size
+        num_blocks = min(-(-(request.num_prompt_tokens - 1) // self.block_size), len(block_ids))
+        num_tokens = min(request.num_prompt_tokens - 1, num_blocks * self.block_size)
         out = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id, "remote_block_ids": block_ids[:num_blocks],
