@@ -4,6 +4,7 @@ instance after the other whatever its load. A request gives its instance back wh
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 
@@ -15,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from support.remote_server import free_port, wait_for
 
 from runtime.cli.proxy import ROUTINGS as CLI_ROUTINGS
-from runtime.entrypoints.proxy import ROUTINGS, Backends, build_app
+from runtime.entrypoints.proxy import ROUTINGS, Backends, RelayResponse, build_app
 
 P, D = ["http://p0", "http://p1/"], ["http://d0", "http://d1", "http://d2"]
 
@@ -102,3 +103,34 @@ def test_bad_bodies_and_dead_instances_are_openai_errors():
             error = response.json()["error"]
             assert message in error["message"] and error["type"] in ("invalid_request_error", "server_error")
     assert backends.in_flight == {"prefill": dict.fromkeys(backends.prefill, 0), "decode": dict.fromkeys(backends.decode, 0)}
+
+
+@pytest.mark.parametrize("client", ["reads it all", "leaves before the first byte"])
+def test_a_relayed_stream_closes_upstream_and_gives_back_once(client):
+    """Driven as ASGI: whether the client reads the stream or is gone before the relay starts (the
+    body's generator then never runs), the decode stream is closed and the instance given back once."""
+    closed, released, sent = [], [], []
+
+    class Upstream(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b"data: [DONE]\n\n"
+
+        async def aclose(self):
+            closed.append(True)
+
+    async def receive():
+        if client == "reads it all":
+            await asyncio.Event().wait()  # never disconnects
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.sleep(0)  # a real send yields to the loop (where a cancellation lands)
+        sent.append(message["type"])
+
+    relay = RelayResponse(httpx.Response(200, stream=Upstream()), lambda: released.append(True))
+    asyncio.run(relay({"type": "http", "asgi": {"spec_version": "2.0"}}, receive, send))
+    assert closed and released == [True]
+    if client == "reads it all":
+        assert sent[:2] == ["http.response.start", "http.response.body"]
+    else:
+        assert sent == []  # nothing was sent: the relay never started

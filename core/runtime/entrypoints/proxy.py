@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import logging
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -58,6 +59,26 @@ class Backends:
 
     def give_back(self, pool: str, url: str) -> None:
         self.in_flight[pool][url] -= 1
+
+
+class RelayResponse(StreamingResponse):
+    """A decode instance's stream relayed to the client. Once the response ends, however it ends
+    (read to the end, the client gone midway, or gone before the body's first byte, when the
+    relay never starts), the upstream stream is closed (which aborts the decode request) and
+    ``release`` (giving the instance back) runs, once."""
+
+    def __init__(self, upstream: httpx.Response, release):
+        super().__init__(upstream.aiter_raw(), media_type="text/event-stream")
+        self.upstream = upstream
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):  # runs even when the request's task is being cancelled
+                await self.upstream.aclose()
+            self.release()
 
 
 def prefill_body(body: dict) -> dict:
@@ -135,15 +156,7 @@ def build_app(backends: Backends) -> FastAPI:
             if not relaying:
                 backends.give_back("decode", url)
 
-        async def relay():
-            try:
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            finally:
-                await response.aclose()  # a client that went away aborts the decode request too
-                backends.give_back("decode", url)
-
-        return StreamingResponse(relay(), media_type="text/event-stream")
+        return RelayResponse(response, lambda: backends.give_back("decode", url))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
