@@ -4,9 +4,11 @@ Times ``gemv(x, W)`` (autotuned on first use) and ``F.linear(x, W)`` for the pro
 shapes of a Llama-3.1-8B layer and its logits, and prints the weight read rate. With
 ``--dtype fp8`` the weights are FP8 codes with one float32 scale per row (the fp8 quant
 method's batch-1 path), the peer still bf16 cuBLAS; ``--sweep`` times every launch shape of
-a wider grid per layer and prints the fastest next to the autotuner's choice.
+a wider grid per layer and prints the fastest next to the autotuner's choice. ``--fused`` times
+the layers that follow a norm (q/k/v, gate/up) or the SiLU activation (down) with that op fused
+into the gemv's prologue against the two launches it replaces.
 
-    python3 benchmarks/gemv_bench.py [--dtype fp8] [--sweep]
+    python3 benchmarks/gemv_bench.py [--dtype fp8] [--sweep | --fused]
 """
 
 from __future__ import annotations
@@ -67,21 +69,61 @@ def sweep(x, w, scale, out) -> list[tuple[float, str]]:
     return sorted(results)
 
 
+def make_weight(name: str, fp8: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(bf16 weight, weight as the gemv reads it, row scales or None)`` of layer ``name``."""
+    n, k = SHAPES[name]
+    w16 = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+    if not fp8 or name == "logits":  # the fp8 method leaves lm_head in 16 bits
+        return w16, w16, None
+    scale = (w16.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
+    return w16, (w16.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+FUSED = {"qkv": "rms_norm", "gate_up": "rms_norm", "down": "silu_and_mul"}  # the op before each layer
+
+
+def compare_fused(dtype: str) -> None:
+    """Each layer after a norm or the activation: the fused gemv against the op's kernel then gemv."""
+    from runtime_kernels.activation import silu_and_mul
+    from runtime_kernels.gemv import rms_norm_gemv, silu_and_mul_gemv
+    from runtime_kernels.norm import fused_add_rms_norm
+
+    saved = 0.0
+    print(f"{dtype}: {'layer':<8} {'prologue':<13} {'fused us':>9} {'unfused us':>11}")
+    for name, op in FUSED.items():
+        _, w, scale = make_weight(name, dtype == "fp8")
+        k = SHAPES[name][1]
+        if op == "rms_norm":
+            x, residual = (torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            norm_w = torch.rand(k, dtype=torch.bfloat16, device="cuda") + 0.5
+            fused = lambda: rms_norm_gemv(x, residual, norm_w, 1e-5, False, w, None, scale)[0]  # noqa: E731
+            unfused = lambda: gemv(fused_add_rms_norm(x, residual, norm_w, 1e-5)[0], w, scale=scale)  # noqa: E731
+        else:
+            x = torch.randn(1, 2 * k, dtype=torch.bfloat16, device="cuda")
+            fused = lambda: silu_and_mul_gemv(x, w, None, scale)  # noqa: E731
+            unfused = lambda: gemv(silu_and_mul(x), w, scale=scale)  # noqa: E731
+        torch.testing.assert_close(fused(), unfused(), atol=2e-2, rtol=2e-2)
+        ours, theirs = time_us(fused), time_us(unfused)
+        saved += (theirs - ours) * PER_TOKEN[name]
+        print(f"{dtype}: {name:<8} {op:<13} {ours:>9.1f} {theirs:>11.1f}")
+    print(f"{dtype}: per decode step of the 8B model the prologues save {saved / 1000:.3f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--fused", action="store_true", help="time the norm and SiLU prologues instead")
     args = parser.parse_args()
+    if args.fused:
+        return compare_fused(args.dtype)
     fp8 = args.dtype == "fp8"
     totals = {"gemv": 0.0, "cublas": 0.0, "best": 0.0}
     print(f"{args.dtype}: {'layer':<8} {'N x K':>14} {'gemv us':>9} {'GB/s':>6} {'cuBLAS bf16 us':>15} {'GB/s':>6}")
     for name, (n, k) in SHAPES.items():
-        w16 = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5
+        w16, w, scale = make_weight(name, fp8)
         x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        w, scale = w16, None
-        if fp8 and name != "logits":  # the fp8 method leaves lm_head in 16 bits
-            scale = (w16.float().abs().amax(dim=1) / 448.0).clamp(min=1e-12)
-            w = (w16.float() / scale[:, None]).to(torch.float8_e4m3fn)
+        if scale is not None:
             torch.testing.assert_close(gemv(x, w, scale=scale), F.linear(x, (w.float() * scale[:, None]).to(torch.bfloat16)),
                                        atol=3e-2, rtol=3e-2)
         else:

@@ -1,10 +1,14 @@
-"""Matrix-vector product for batch-1 decode steps, and its reference.
+"""Matrix-vector product for batch-1 decode steps, with the op before it fused in, and references.
 
 ``gemv(x, weight, bias)`` computes ``F.linear(x, weight, bias)`` for ``x`` of one row
 (``[1, K]`` or ``[K]``), accumulating in float32. A decode step of one sequence reads
 every weight once and does little arithmetic, so its speed is the rate at which the
 weights stream from memory; cuBLAS's general kernels leave some of that on the table for
 a single row.
+
+``silu_and_mul_gemv`` and ``rms_norm_gemv`` also compute the gated activation or the
+(fused-add) RMSNorm that feeds the product, as they read its input, so that a decode step of
+one sequence does not launch those small kernels at all.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from runtime_kernels.utils import cdiv, check_last_dim_contiguous, interpreting, require_triton
 
 INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K = 4, 64
+SILU_AND_MUL, RMS_NORM = 1, 2  # the kernel's PROLOGUE
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -23,30 +28,103 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``scale`` (float32 [N]): ``weight`` holds 8-bit codes (FP8) whose row ``i`` is worth
     ``weight[i] * scale[i]``; the product is the dequantized weight's, ``x`` not quantized.
     """
-    require_triton("gemv")
-    from runtime_kernels.jit.gemv import gemv_8bit_kernel_tuned, gemv_kernel, gemv_kernel_tuned
+    vec = _one_row("gemv", x, weight.shape[1])
+    return _launch(vec, weight, bias, scale).view(*x.shape[:-1], weight.shape[0])
 
+
+def silu_and_mul_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``gemv(silu_and_mul(x), weight, bias, scale)`` in one launch: ``x`` [1, 2 * K] or [2 * K] =
+    ``[gate | up]``, ``weight`` [N, K]; ``silu(gate) * up`` is rounded to ``x.dtype`` as
+    :func:`runtime_kernels.activation.silu_and_mul` rounds it."""
+    vec = _one_row("silu_and_mul_gemv", x, 2 * weight.shape[1])
+    return _launch(vec, weight, bias, scale, prologue=SILU_AND_MUL).view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gemma: bool,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemv(norm, weight, bias, scale), s)`` in one launch, where ``s = x + residual`` (``x``
+    without a residual) and ``norm`` is ``rms_norm(s, norm_weight, eps, gemma)``, both rounded
+    as :mod:`runtime_kernels.norm` rounds them. ``x``, ``residual`` [1, K] or [K]; inputs untouched
+    (``s`` is a new tensor, or ``x`` itself without a residual)."""
+    k = weight.shape[1]
+    vec = _one_row("rms_norm_gemv", x, k)
+    if norm_weight.shape != (k,):
+        raise ValueError(f"norm_weight shape {tuple(norm_weight.shape)} does not match the {k} input features")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
+    norm = dict(norm_w_ptr=norm_weight, eps=float(eps), prologue=RMS_NORM, GEMMA=bool(gemma))
+    if residual is None:
+        return _launch(vec, weight, bias, scale, **norm).view(*x.shape[:-1], weight.shape[0]), x
+    summed = torch.empty_like(vec)
+    out = _launch(vec, weight, bias, scale, residual_ptr=residual.reshape(-1).contiguous(), residual_out_ptr=summed,
+                  HAS_RESIDUAL=True, **norm)
+    return out.view(*x.shape[:-1], weight.shape[0]), summed.view(x.shape)
+
+
+def _one_row(what: str, x: torch.Tensor, features: int) -> torch.Tensor:
+    """``x``'s one row as a contiguous vector of ``features``."""
+    require_triton(what)
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] != 1:
-        raise ValueError(f"gemv takes one row, got {rows.shape[0]}; use F.linear for batches")
+        raise ValueError(f"{what} takes one row, got {rows.shape[0]}; use F.linear for batches")
+    if rows.shape[1] != features:
+        raise ValueError(f"x has {rows.shape[1]} features but {what} of this weight expects {features}")
+    return rows[0].contiguous()
+
+
+def _launch(vec, weight, bias, scale, prologue: int = 0, **prologue_args) -> torch.Tensor:
+    """``out`` [N] of the kernel with ``prologue`` (0: none) and its arguments (``prologue_args``)."""
+    from runtime_kernels.jit import gemv as jit
+
     n, k = weight.shape
-    if rows.shape[1] != k:
-        raise ValueError(f"x has {rows.shape[1]} features but weight expects {k}")
     if scale is not None and scale.shape != (n,):
         raise ValueError(f"scale must be one float32 per weight row, shape ({n},), got {tuple(scale.shape)}")
     check_last_dim_contiguous("weight", weight)
-    vec = rows[0].contiguous()
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    out = torch.empty(n, dtype=vec.dtype, device=vec.device)
     has_bias, has_scale = bias is not None, scale is not None
     args = (vec, weight, scale if has_scale else out, bias if has_bias else out, out, n, k, weight.stride(0))
+    if prologue:
+        prologue_args["PROLOGUE"] = prologue  # left out otherwise: the plain launch is as it always was
     if interpreting():
         grid = (cdiv(n, INTERPRETER_BLOCK_N),)
-        gemv_kernel[grid](*args, HAS_SCALE=has_scale, HAS_BIAS=has_bias, BLOCK_N=INTERPRETER_BLOCK_N, BLOCK_K=INTERPRETER_BLOCK_K)
+        jit.gemv_kernel[grid](*args, HAS_SCALE=has_scale, HAS_BIAS=has_bias, BLOCK_N=INTERPRETER_BLOCK_N,
+                              BLOCK_K=INTERPRETER_BLOCK_K, **prologue_args)
     else:
-        tuned = gemv_8bit_kernel_tuned if weight.element_size() == 1 else gemv_kernel_tuned
-        tuned[lambda meta: (cdiv(n, meta["BLOCK_N"]),)](*args, HAS_SCALE=has_scale, HAS_BIAS=has_bias)
-    return out.view(*x.shape[:-1], n)
+        is_8bit = weight.element_size() == 1
+        if prologue:
+            tuned = jit.gemv_8bit_prologue_kernel_tuned if is_8bit else jit.gemv_prologue_kernel_tuned
+        else:
+            tuned = jit.gemv_8bit_kernel_tuned if is_8bit else jit.gemv_kernel_tuned
+        tuned[lambda meta: (cdiv(n, meta["BLOCK_N"]),)](*args, HAS_SCALE=has_scale, HAS_BIAS=has_bias, **prologue_args)
+    return out
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` in float32, rounded to ``x.dtype``; ``scale`` as :func:`gemv`'s (a dequantized weight)."""
+    w = weight.float() if scale is None else weight.float() * scale.float()[:, None]
+    return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+def silu_and_mul_gemv_ref(x, weight, bias=None, scale=None) -> torch.Tensor:
+    from runtime_kernels.activation import silu_and_mul_ref
+
+    return gemv_ref(silu_and_mul_ref(x), weight, bias, scale)
+
+
+def rms_norm_gemv_ref(x, residual, norm_weight, eps, gemma, weight, bias=None, scale=None):
+    from runtime_kernels.norm import rms_norm_ref
+
+    summed = x if residual is None else x + residual
+    return gemv_ref(rms_norm_ref(summed, norm_weight, eps, gemma), weight, bias, scale), summed

@@ -67,10 +67,28 @@ def compile_elementwise():
                      dict(HAS_ROWS=True, HAS_SLOTS=True, BLOCK=2048))
 
 
+def compile_gemv():
+    """The plain one-row gemv and its prologue variants, 16- and 8-bit weights, each kind of launch shape."""
+    from runtime_kernels.jit.gemv import gemv_kernel
+
+    norm_args = {"residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"}
+    unused = dict.fromkeys(norm_args)  # None: what a launch without the norm passes
+    for weight, block_k, row_sums in (("bf16", 512, False), ("fp8e4nv", 2048, True)):
+        sig = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+               "N": "i32", "K": "i32", "stride_w": "i32"}
+        launch = dict(HAS_SCALE=weight != "bf16", HAS_BIAS=True, BLOCK_N=2 if row_sums else 8, BLOCK_K=block_k,
+                      ROW_SUMS=row_sums, HAS_RESIDUAL=False, GEMMA=False)
+        compile_for_sm90(gemv_kernel, sig, dict(launch, PROLOGUE=0, **unused))
+        compile_for_sm90(gemv_kernel, sig, dict(launch, PROLOGUE=1, **unused))
+        for residual, gemma in ((True, False), (False, True)):
+            compile_for_sm90(gemv_kernel, sig | norm_args, dict(launch, PROLOGUE=2, HAS_RESIDUAL=residual, GEMMA=gemma))
+
+
 if __name__ == "__main__":
     compile_attention("bf16", 128, 2, 16, False, False, 8)
     compile_attention("bf16", 128, 4, 32, False, False, 4)  # speculative verification: 1 + k queries, split-KV
     compile_attention("fp32", 64, 3, 64, True, True, 1)
     compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
     compile_elementwise()
+    compile_gemv()
     print("all kernels compiled for sm_90")
