@@ -43,6 +43,12 @@ class LinearMethod(Protocol):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [num_tokens, input_size] -> [num_tokens, sum(output_sizes)] in ``x``'s dtype."""
 
+    # Optional: ``gemv_weights(layer, dtype) -> (weight, scale) | None``: where ``apply`` of one
+    # row of ``dtype`` is ``runtime_kernels.gemv.gemv(x, weight, bias, scale=scale)`` (8-bit codes
+    # [out, in] and float32 row scales [out]), those two, so that a norm or activation before the
+    # layer may fuse into that gemv (``Linear.gemv_operands``); None otherwise. A method without it
+    # is never fused with the op before it.
+
 
 @runtime_checkable
 class QuantConfig(Protocol):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.counting import counted
 from support.paged_batch import PagedRunner
 from runtime.testing.models import build_tiny_model
 
@@ -22,12 +23,14 @@ ATOL = {"cpu": 1e-5, "cuda": 2e-5}  # float32; a few ulps apart (rsqrt vs 1/sqrt
 PROMPT_LENS = (3, 10)  # gemma3's window is 8: the longer prompt crosses it
 SCHEDULE = ([1, 2], [1, 1])  # a decode with a prefill chunk, then two decodes
 # Ops each architecture calls (Gemma 3's MLP is gelu-tanh, which has no fused op).
-# gemv serves one-row steps in 16-bit dtypes only (tested on its own below); top_k_top_p
-# is the sampler's (tests/kernels/test_kernel_sampling.py) and apply_token_bitmask structured
-# output's (tests/kernels/test_kernel_bitmask.py).
+# gemv and the fused ops that end in one serve one-row steps in 16-bit dtypes only (tested on
+# their own below and in test_models_one_row_fusion.py); top_k_top_p is the sampler's
+# (tests/kernels/test_kernel_sampling.py) and apply_token_bitmask structured output's
+# (tests/kernels/test_kernel_bitmask.py).
+NOT_USED = {"gemv", "silu_and_mul_gemv", "rms_norm_gemv", "top_k_top_p", "apply_token_bitmask"}
 USED_OPS = {
-    "llama": set(CUSTOM_OPS) - {"gemv", "top_k_top_p", "apply_token_bitmask"},
-    "qwen3": set(CUSTOM_OPS) - {"gemv", "top_k_top_p", "apply_token_bitmask"},
+    "llama": set(CUSTOM_OPS) - NOT_USED,
+    "qwen3": set(CUSTOM_OPS) - NOT_USED,
     "gemma3": {"rms_norm", "fused_add_rms_norm", "rotary_embedding"},
 }
 
@@ -43,17 +46,6 @@ def kernel_ops() -> dict:
         "rotary_embedding": rotary_embedding,
         "silu_and_mul": silu_and_mul,
     }
-
-
-def counted(ops: dict, calls: dict[str, int]) -> dict:
-    def wrap(name, fn):
-        def op(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-
-        return op
-
-    return {name: wrap(name, fn) for name, fn in ops.items()}
 
 
 def run_schedule(model, vocab_size: int) -> list[torch.Tensor]:

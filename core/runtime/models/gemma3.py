@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.models.layers import MLP, GemmaRMSNorm
+from runtime.models.layers import MLP, GemmaRMSNorm, norm_into
 from runtime.models.linear import VocabParallelEmbedding
 from runtime.models.pipeline import is_last_stage, stage_input, stage_layers
-from runtime.models.llama import LlamaAttention, LlamaForCausalLM, head_dim, pre_norm
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, head_dim
 from runtime.models.rotary import RotaryEmbedding, Rotation, rope_parameters
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -58,10 +58,12 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x))),
         # with x carried as hidden + residual (as in LlamaDecoderLayer).
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, rotation))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        # The norms before q/k/v and before gate/up may fuse into those projections (one-row steps);
+        # the norms after attention and the MLP read their outputs, and gelu-tanh has no fused op.
+        qkv, residual = norm_into(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn.attend(qkv, rotation))
+        gate_up, residual = norm_into(self.pre_feedforward_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp.down(gate_up)), residual
 
 
 class Gemma3Model(nn.Module):

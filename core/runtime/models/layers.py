@@ -29,7 +29,8 @@ class RMSNorm(nn.Module):
     residual stream and returns ``(norm(x + residual), x + residual)``, so that a
     platform's fused add-and-norm kernel can do both in one pass. The fused ops
     (``rms_norm``, ``fused_add_rms_norm``) are taken from the custom-ops scope the
-    module is built in; without them it runs the plain torch code.
+    module is built in; without them it runs the plain torch code. With ``rms_norm_gemv``
+    too, :meth:`fused_into` does the norm inside the next layer's one-row gemv.
     """
 
     is_gemma = False  # passed to the fused ops as ``gemma``
@@ -40,9 +41,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self._rms_norm = lookup("rms_norm")
         self._fused_add_rms_norm = lookup("fused_add_rms_norm")
+        self._rms_norm_gemv = lookup("rms_norm_gemv")
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+    def fused_into(
+        self, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(linear(self(s)), s)`` with ``s = x + residual`` (``x`` without a residual) in one
+        ``rms_norm_gemv`` kernel, or None where the platform offers none or ``linear`` would not
+        run the one-row gemv (see :meth:`Linear.gemv_operands`). ``linear``'s input must be whole
+        on every rank (replicated or column-parallel), as a norm's output is."""
+        operands = None if self._rms_norm_gemv is None else linear.gemv_operands(x)
+        if operands is None:
+            return None
+        out, residual = self._rms_norm_gemv(x, residual, self.weight, self.eps, self.is_gemma, *operands)
+        return linear.reduce_output(out), residual
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -83,15 +98,51 @@ class GemmaRMSNorm(RMSNorm):
         return (self._normalize(x) * (1.0 + self.weight.float())).to(x.dtype)
 
 
+def pre_norm(
+    norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm: ``norm(hidden + residual)`` and the new residual.
+
+    The first layer has no residual yet; its input is the embeddings themselves.
+    """
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
+
+
+def norm_into(
+    norm: nn.Module, linear: Linear, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(s)), s)`` with ``s = hidden + residual`` (as :func:`pre_norm`): one kernel
+    where an :class:`RMSNorm` can fuse into ``linear`` (:meth:`RMSNorm.fused_into`); any other
+    norm module, called as ``norm(x)`` / ``norm(x, residual)``, runs as it is."""
+    fused = norm.fused_into(linear, hidden, residual) if isinstance(norm, RMSNorm) else None
+    if fused is not None:
+        return fused
+    out, residual = pre_norm(norm, hidden, residual)
+    return linear(out), residual
+
+
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` where the input is ``[..., 2 * d]`` = ``[gate | up]``.
 
-    Uses the scope's fused ``silu_and_mul`` when the platform offers one.
+    Uses the scope's fused ``silu_and_mul`` when the platform offers one, and with
+    ``silu_and_mul_gemv`` :meth:`fused_into` computes it inside the next layer's one-row gemv.
     """
 
     def __init__(self):
         super().__init__()
         self._silu_and_mul = lookup("silu_and_mul")
+        self._silu_and_mul_gemv = lookup("silu_and_mul_gemv")
+
+    def fused_into(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """``linear(self(x))`` in one ``silu_and_mul_gemv`` kernel, or None where the platform
+        offers none or ``linear`` would not run the one-row gemv (see :meth:`Linear.gemv_operands`).
+        ``x`` [1, 2 * d] is this rank's ``[gate | up]``, whose ``d`` columns ``linear`` reads."""
+        operands = None if self._silu_and_mul_gemv is None else linear.gemv_operands(x)
+        if operands is None:
+            return None
+        return linear.reduce_output(self._silu_and_mul_gemv(x, *operands))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2d] -> [..., d]
         if self._silu_and_mul is not None:
@@ -137,7 +188,12 @@ class MLP(nn.Module):
         self.act_fn = act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * intermediate / tp] -> [T, hidden]
+        """``down_proj(act(gate_up))``, in one kernel where the activation fuses into ``down_proj``."""
+        fused = self.act_fn.fused_into(self.down_proj, gate_up) if isinstance(self.act_fn, SiluAndMul) else None
+        return fused if fused is not None else self.down_proj(self.act_fn(gate_up))
 
 
 class Attention(nn.Module):

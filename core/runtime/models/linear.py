@@ -62,7 +62,9 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(in_features, out_features, bias=bias)
-        self._linear = one_row_linear(lookup("gemv"))
+        gemv = lookup("gemv")
+        self._linear = one_row_linear(gemv)
+        self._has_gemv = gemv is not None
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
 
     @property
@@ -71,9 +73,37 @@ class Linear(nn.Linear):
         return [self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        bias = self.rank_bias()
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        return self._linear(x, self.weight, self.bias)
+            return self.reduce_output(self.quant_method.apply(self, x, bias))
+        return self.reduce_output(self._linear(x, self.weight, bias))
+
+    def rank_bias(self) -> torch.Tensor | None:
+        """The bias this rank adds (all of it: the layer is whole)."""
+        return self.bias
+
+    def reduce_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's product ``out`` (``out`` itself: the layer is whole)."""
+        return out
+
+    def gemv_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """``(weight, bias, scale)`` that :meth:`forward` hands the one-row ``gemv`` kernel for an
+        input of ``x``'s rows and dtype, or None where it takes another path.
+
+        The gemv runs for one row in float16 or bfloat16, in an unquantized layer built where the
+        platform offers ``gemv`` (``scale`` None), or in a quantized one whose linear method opts in
+        with ``gemv_weights(layer, dtype) -> (weight, scale) | None`` (FP8 codes and float32 row
+        scales; see :class:`runtime.quantization.LinearMethod`). A fused op that computes this
+        layer's input as it reads it may then take the place of that gemv; the result goes through
+        :meth:`reduce_output` as :meth:`forward`'s does. Only shapes and build-time state decide.
+        """
+        if x.shape[0] != 1 or x.dtype not in (torch.float16, torch.bfloat16):
+            return None
+        if self.quant_method is None:
+            return (self.weight, self.rank_bias(), None) if self._has_gemv else None
+        gemv_weights = getattr(self.quant_method, "gemv_weights", None)
+        weights = None if gemv_weights is None else gemv_weights(self, x.dtype)
+        return None if weights is None else (weights[0], self.rank_bias(), weights[1])
 
     def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's part of the checkpoint's whole ``tensor`` into ``param_name``."""
@@ -103,12 +133,12 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(divide(in_features, tp_size(), "the input size"), out_features, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        bias = self.bias if self.tp_rank == 0 else None
-        if self.quant_method is not None:
-            out = self.quant_method.apply(self, x, bias)
-        else:
-            out = self._linear(x, self.weight, bias)
+    def rank_bias(self) -> torch.Tensor | None:
+        """Rank 0's alone: the ranks' products of their input columns ``[T, in / tp]`` are summed."""
+        return self.bias if self.tp_rank == 0 else None
+
+    def reduce_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The sum of the ranks' partial products ``[T, out]`` (one all-reduce)."""
         return tp_all_reduce(out)
 
     def load_param(self, param_name: str, tensor: torch.Tensor) -> None:

@@ -6,7 +6,9 @@ backend and paged KV cache.
 
 Decoder layers pass the residual stream along (``hidden, residual = norm(hidden,
 residual)``) so that "add the residual, then normalize" is one call, which a platform
-may fuse into one kernel; in plain torch it is the same ``x + f(x)`` as before.
+may fuse into one kernel; in plain torch it is the same ``x + f(x)`` as before. A norm and
+the projection after it go together too (``norm_into``), as do the MLP's activation and its
+down projection (``MLP.down``): a batch-1 step fuses each pair into one gemv where it can.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 
 from runtime.attention.backend import AttentionLayerSpec
 from runtime.distributed import tp_all_gather, tp_size
-from runtime.models.layers import MLP, Attention, RMSNorm
+from runtime.models.layers import MLP, Attention, RMSNorm, norm_into, pre_norm
 from runtime.models.linear import (
     MergedLinear,
     ParallelLMHead,
@@ -57,18 +59,6 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
     return window
-
-
-def pre_norm(
-    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decoder layer's first norm: ``norm(hidden + residual)`` and the new residual.
-
-    The first layer has no residual yet; its input is the embeddings themselves.
-    """
-    if residual is None:
-        return norm(hidden), hidden
-    return norm(hidden, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -115,9 +105,14 @@ class LlamaAttention(nn.Module):
             logits_soft_cap=logits_soft_cap,
         )
 
-    def forward(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+    def forward(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.attend(self.qkv_proj(x), rotation)
+
+    def attend(self, qkv: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+        """The layer from ``qkv_proj``'s output [T, (heads + 2 * kv_heads) * head_size] on (a
+        decoder layer may compute that together with the norm before it)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_size)
         k = k.view(num_tokens, self.num_kv_heads, self.head_size)
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
@@ -149,11 +144,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden: [T, hidden], this layer's input minus ``residual`` (None: the first layer)
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(hidden, rotation)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual  # the next layer adds them
+        # hidden: [T, hidden], this layer's input minus ``residual`` (None: the first layer).
+        # Each norm goes with the projection after it, so that a batch-1 step may fuse the two.
+        qkv, residual = norm_into(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn.attend(qkv, rotation)
+        gate_up, residual = norm_into(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp.down(gate_up), residual  # the next layer adds them
 
 
 class LlamaModel(nn.Module):

@@ -22,6 +22,19 @@ The names and signatures a platform may provide (:data:`CUSTOM_OPS`):
 * ``gemv(x, weight, bias=None) -> out``: ``F.linear`` for one row ``x`` [1, K]
   (batch-1 decode steps), accumulating in float32; linear layers use it for one-row
   inputs in 16-bit dtypes and cuBLAS otherwise.
+* ``silu_and_mul_gemv(x, weight, bias=None, scale=None) -> out``: ``gemv(silu_and_mul(x),
+  weight, bias)`` in one kernel for one row ``x`` [1, 2 * K] = ``[gate | up]``, ``weight``
+  [N, K]; ``silu(gate) * up`` rounded to ``x.dtype`` as ``silu_and_mul``. ``scale`` (float32
+  [N]): ``weight`` holds FP8 codes, row ``i`` worth ``weight[i] * scale[i]``.
+* ``rms_norm_gemv(x, residual, norm_weight, eps, gemma, weight, bias=None, scale=None) ->
+  (out, s)``: ``s = x + residual`` (``x`` itself when ``residual`` is None) and ``out =
+  gemv(rms_norm(s, norm_weight, eps, gemma), weight, bias)`` in one kernel for one row ``x``
+  [1, K], rounded as ``fused_add_rms_norm``; ``scale`` as above. Inputs untouched.
+
+  Both serve batch-1 decode steps: a norm (:meth:`~runtime.models.layers.RMSNorm.fused_into`)
+  or the SiLU MLP activation (:meth:`~runtime.models.layers.SiluAndMul.fused_into`) uses one
+  in place of itself and the linear layer after it only where that layer would have run the
+  one-row ``gemv`` kernel anyway (:meth:`~runtime.models.linear.Linear.gemv_operands`).
 * ``top_k_top_p(logits, top_k, top_p, max_top_k) -> logits``: the sampler's top-k then
   top-p filters (filtered logits at -inf, a new tensor) for batches where every row that
   top-p filters also has a top-k (``top_p`` may be ``None``); no host sync. The sampler
@@ -45,7 +58,7 @@ from contextvars import ContextVar
 logger = logging.getLogger(__name__)
 
 CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gemv", "top_k_top_p",
-              "apply_token_bitmask")
+              "apply_token_bitmask", "silu_and_mul_gemv", "rms_norm_gemv")
 
 _current_ops: ContextVar[Mapping[str, Callable]] = ContextVar("runtime_custom_ops", default={})
 

@@ -101,6 +101,9 @@ class Platform:
           the cache is ``[max_position, head_size]`` float32, cos | sin
         * ``silu_and_mul(x) -> out``, ``x`` = ``[gate | up]``
         * ``gemv(x, weight, bias=None) -> out``, one-row ``F.linear``
+        * ``silu_and_mul_gemv(x, weight, bias=None, scale=None) -> out`` and ``rms_norm_gemv(x,
+          residual, norm_weight, eps, gemma, weight, bias=None, scale=None) -> (out, x + residual)``:
+          one-row ``gemv`` with the activation or the norm before it computed on the fly
         * ``top_k_top_p(logits, top_k, top_p, max_top_k) -> logits``, the sampler's filters
           when top-k bounds every row (the sampler looks it up too)
 

@@ -41,12 +41,14 @@ class CudaPlatform(GpuPlatform):
         the norms, the SiLU MLP activation and the rotary embedding run these kernels
         (see ``Platform.custom_ops`` for the names and signatures): ``rms_norm``,
         ``fused_add_rms_norm``, ``rotary_embedding`` (in place, from a cos/sin cache),
-        ``silu_and_mul``, ``gemv`` (one-row linear layers of batch-1 decode steps), and
+        ``silu_and_mul``, ``gemv`` (one-row linear layers of batch-1 decode steps) with
+        ``silu_and_mul_gemv`` and ``rms_norm_gemv`` (the same, the activation or norm before
+        the layer fused in, so batch-1 steps launch neither), and
         ``top_k_top_p`` for the sampler (top-p within top-k from one ``topk``, no sort) and
         ``apply_token_bitmask`` for structured output (one launch, no temporaries).
         """
         from runtime_kernels.activation import silu_and_mul
-        from runtime_kernels.gemv import gemv
+        from runtime_kernels.gemv import gemv, rms_norm_gemv, silu_and_mul_gemv
         from runtime_kernels.norm import fused_add_rms_norm, rms_norm
         from runtime_kernels.rotary import rotary_embedding
         from runtime_kernels.bitmask import apply_token_bitmask
@@ -60,6 +62,8 @@ class CudaPlatform(GpuPlatform):
             "gemv": gemv,
             "top_k_top_p": top_k_top_p_bounded,
             "apply_token_bitmask": apply_token_bitmask,
+            "silu_and_mul_gemv": silu_and_mul_gemv,
+            "rms_norm_gemv": rms_norm_gemv,
         }
 
     supports_graphs = True

@@ -121,6 +121,31 @@ def test_bf16_logprobs_close_to_transformers(bf16_reference, graphs):
     assert (graph_replays(llm) > 0) == graphs
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_bf16_batch_1_decode_with_fused_prologues(bf16_reference, graphs, monkeypatch):
+    """One sequence at a time: every decode step is batch 1, where each norm before q/k/v and
+    gate/up and the SiLU before down run inside that projection's gemv (rms_norm_gemv,
+    silu_and_mul_gemv; recorded while the graphs are captured, or on every eager step)."""
+    import runtime_kernels.gemv as kernels
+
+    calls = {"rms_norm_gemv": 0, "silu_and_mul_gemv": 0}
+    for name in calls:
+        def counting(*args, _op=getattr(kernels, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, counting)  # the platform's custom_ops() imports them when the model is built
+    arch, path, prompts, expected = bf16_reference
+    llm = cuda_llm(path, "triton", graphs, dtype="bfloat16")
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5, detokenize=False)
+    for prompt, (ref_tokens, ref_steps) in zip(prompts[:3], expected):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        check_logprobs_close_until_divergence(ref_tokens, ref_steps, out.token_ids, out.logprobs, atol=0.1,
+                                              label=f"{arch}/bf16 batch 1")
+    assert calls["rms_norm_gemv"] > 0 and (calls["silu_and_mul_gemv"] > 0) == (arch != "gemma3"), calls
+    assert (graph_replays(llm) > 0) == graphs
+
+
 def test_kv_cache_sized_from_gpu_memory_utilization(tmp_path):
     path = build_untokenized_model("qwen3", tmp_path / "m")
     gc.collect()  # engines of earlier tests give their memory back first
