@@ -88,11 +88,10 @@ def fp8_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, b
     n, k = layer.weight.shape
     if x.dtype != torch.bfloat16 or n % 16 or k % 16 or x.shape[0] == 0:
         return dequant_matmul(layer, scheme, x, bias)
-    weights = fp8_gemv_weights(layer, x.dtype) if x.shape[0] == 1 else None
-    if weights is not None:
+    if x.shape[0] == 1 and layer.weight_scale.dim() == 1:
         from runtime_kernels.gemv import gemv  # runtime-plugin-cuda's kernels
 
-        return gemv(x, weights[0], bias, scale=weights[1])
+        return gemv(x, layer.weight, bias, scale=layer.weight_scale)
     if scheme.activations == "token":
         codes, scale_a = _row_quantize(x, FP8)
     elif scheme.static_activations:
@@ -103,15 +102,6 @@ def fp8_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, b
         codes, layer.weight.t(), scale_a=scale_a, scale_b=layer.weight_scale.view(1, n), out_dtype=torch.bfloat16
     )
     return y if bias is None else y + bias
-
-
-def fp8_gemv_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(weight, row scales)`` where :func:`fp8_scaled_mm` reads one row of ``dtype`` with
-    runtime-kernels' gemv (bf16, both dimensions multiples of 16, one scale per row), else None."""
-    n, k = layer.weight.shape
-    if dtype != torch.bfloat16 or n % 16 or k % 16 or layer.weight_scale.dim() != 1:
-        return None
-    return layer.weight, layer.weight_scale
 
 
 def _group_quantize(x: torch.Tensor, dtype: torch.dtype, group: int):
