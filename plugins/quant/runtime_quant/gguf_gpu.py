@@ -18,6 +18,7 @@ import torch
 
 from runtime_quant.gguf_blocks import BlockType
 from runtime_quant.wna16_gpu import GemvConfig, _cdiv, _locks, _num_sms  # the 4/8-bit GEMV's knobs and counters
+from runtime_quant.wna16_gpu import scratch as _scratch  # one layer's dequantized weights, shared with the 4/8-bit layers
 
 GEMV_MAX_ROWS = 4
 # From this many rows the layer is dequantized into a scratch of one layer (not a copy of the model:
@@ -146,20 +147,6 @@ def gguf_gemm(qweight: torch.Tensor, t: BlockType, x: torch.Tensor, bias: torch.
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, A=step, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out
-
-
-_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reused buffer of at least ``numel`` elements: the largest layer dequantized so far (one
-    layer's weights, never a copy of the model). Grown on eager calls (the warm-up's largest batch runs
-    before any CUDA graph is captured)."""
-    buf = _SCRATCH.get((device, dtype))
-    if buf is None or buf.numel() < numel:
-        _SCRATCH.pop((device, dtype), None)
-        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
 
 
 def gguf_dequantize_gpu(qweight: torch.Tensor, t: BlockType, dtype: torch.dtype, out: torch.Tensor | None = None,

@@ -19,6 +19,8 @@ or there is one group), so each block has one row of scales and zero points.
   conversion kernel around the call.
 - :func:`wna16_gemm_kernel` (prefill): the dequantized tile feeds ``tl.dot`` (tensor cores)
   against a [BLOCK_M, BLOCK_K] tile of ``x``.
+- :func:`wna16_dequantize_kernel` (large batches): the layer's weights ``W.T`` [K, N] written out
+  in the activations' dtype, for cuBLAS to multiply.
 """
 
 from __future__ import annotations
@@ -115,6 +117,36 @@ def wna16_gemv_kernel(
 
 
 @triton.jit
+def _k_order_weights(qw_ptr, s_ptr, z_ptr, k0, K, GROUP_ROWS, stride_qk, stride_sg, offs_n, n_ok,
+                     BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows ``k0 .. k0 + BLOCK_K`` of ``W.T``, in K order: ``(q - zero) * scale`` [BLOCK_K, BLOCK_N] float32."""
+    codes = _shift_major_codes(qw_ptr, k0, K, stride_qk, offs_n, n_ok, BITS, BLOCK_K, BLOCK_N)
+    codes = tl.reshape(tl.permute(codes, (1, 0, 2)), (BLOCK_K, BLOCK_N))
+    scale = _group_row(s_ptr, k0, GROUP_ROWS, stride_sg, offs_n, n_ok)
+    zero = _group_row(z_ptr, k0, GROUP_ROWS, stride_sg, offs_n, n_ok)
+    return (codes.to(tl.float32) - zero[None, :]) * scale[None, :]
+
+
+@triton.jit
+def wna16_dequantize_kernel(
+    qw_ptr, s_ptr, z_ptr, out_ptr,
+    N, K, GROUP_ROWS,
+    stride_qk, stride_sg, stride_ok,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    k0 = tl.program_id(0) * BLOCK_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w = _k_order_weights(qw_ptr, s_ptr, z_ptr, k0, K, GROUP_ROWS, stride_qk, stride_sg, offs_n, n_ok,
+                         BITS, BLOCK_K, BLOCK_N)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + offs_k.to(tl.int64)[:, None] * stride_ok + offs_n[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=(offs_k < K)[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def wna16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, K, GROUP_ROWS,
@@ -134,11 +166,8 @@ def wna16_gemm_kernel(
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
         # the codes back in K order: the dot's operand wants contiguous x columns (a gathered x tile
         # made this GEMM 2-4x slower on an H200)
-        codes = _shift_major_codes(qw_ptr, k0, K, stride_qk, offs_n, n_ok, BITS, BLOCK_K, BLOCK_N)
-        codes = tl.reshape(tl.permute(codes, (1, 0, 2)), (BLOCK_K, BLOCK_N))
-        scale = _group_row(s_ptr, k0, GROUP_ROWS, stride_sg, offs_n, n_ok)
-        zero = _group_row(z_ptr, k0, GROUP_ROWS, stride_sg, offs_n, n_ok)
-        w = (codes.to(tl.float32) - zero[None, :]) * scale[None, :]
+        w = _k_order_weights(qw_ptr, s_ptr, z_ptr, k0, K, GROUP_ROWS, stride_qk, stride_sg, offs_n, n_ok,
+                             BITS, BLOCK_K, BLOCK_N)
         if IEEE:  # float32 products, no TF32 rounding
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:  # 16-bit tensor-core dots

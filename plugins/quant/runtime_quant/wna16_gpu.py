@@ -2,8 +2,11 @@
 
 Decode-sized batches (at most :data:`GEMV_MAX_ROWS` rows) take the dequantize-in-kernel
 GEMV, split along K so that a small layer still fills the GPU; larger batches take the
-dequantize-tile + ``tl.dot`` GEMM. The weights stay packed (4.25 bits a weight with group
-128 float32 scales and uint8 zero points); nothing is dequantized outside the kernels.
+dequantize-tile + ``tl.dot`` GEMM, and from :data:`DEQUANT_MIN_ROWS` rows the layer is
+dequantized into a reused scratch of ONE layer (:func:`scratch`: the largest layer's weights in
+the activations' dtype, shared by all layers) and multiplied by cuBLAS, as GGUF layers do. The
+weights stay packed in memory (4.25 bits a weight with group 128 float32 scales and uint8 zero
+points); the scratch is never a copy of the model.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from dataclasses import dataclass
 import torch
 
 GEMV_MAX_ROWS = 4
+# From this many rows: dequantize into the one-layer scratch, then cuBLAS. Provisional, from GGUF's
+# H100 table (the same trade: 2 bytes a weight written and read back against a fused GEMM 3-5x
+# slower than cuBLAS at 64-256 rows); RUNTIME_WNA16_DEQUANT_MIN_ROWS overrides.
+DEQUANT_MIN_ROWS = int(os.environ.get("RUNTIME_WNA16_DEQUANT_MIN_ROWS", "128"))
 # Triton's interpreter turns float32 into bfloat16 wrongly inside a kernel (values ~1e10):
 # there the GEMM multiplies in float32. Compiled kernels convert.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -127,11 +134,53 @@ def wna16_gemm(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.T
     return out
 
 
+_SCRATCH: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused buffer of at least ``numel`` elements: the largest layer dequantized so far (one
+    layer's weights, never a copy of the model). Grown on eager calls (the warm-up's largest batch runs
+    before any CUDA graph is captured)."""
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop((device, dtype), None)
+        buf = _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def wna16_dequantize_gpu(layer: torch.nn.Module, bits: int, dtype: torch.dtype, out: torch.Tensor | None = None,
+                         block_n: int = 64) -> torch.Tensor:
+    """The layer's ``W.T`` [K, N] in ``dtype``, into ``out`` or the one-layer scratch."""
+    from runtime_quant.jit_wna16 import wna16_dequantize_kernel
+
+    qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
+    k, n = layer.in_features, qweight.shape[1]
+    step = block_k(layer.quant_group_rows, k)
+    if out is None:
+        out = scratch(k * n, dtype, qweight.device).view(k, n)
+    wna16_dequantize_kernel[(_cdiv(k, step), _cdiv(n, block_n))](
+        qweight, scales, zeros, out, n, k, layer.quant_group_rows, qweight.stride(0), scales.stride(0), out.stride(0),
+        BITS=bits, BLOCK_N=block_n, BLOCK_K=step, num_warps=4,
+    )
+    return out
+
+
+def wna16_dequant_mm(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [M, K] @ W.T for large batches: the layer dequantized into the one-layer scratch, then cuBLAS."""
+    w_t = wna16_dequantize_gpu(layer, bits, x.dtype)
+    if bias is None:
+        return torch.mm(x, w_t)
+    return torch.addmm(bias.to(x.dtype), x, w_t)
+
+
 def triton_wna16(layer: torch.nn.Module, scheme, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` [T, in] -> [T, out]: the GEMV for up to :data:`GEMV_MAX_ROWS` rows, else the GEMM."""
+    """``x`` [T, in] -> [T, out]: the GEMV for up to :data:`GEMV_MAX_ROWS` rows, the GEMM below
+    :data:`DEQUANT_MIN_ROWS`, else the layer dequantized into the scratch and cuBLAS."""
     x = x.contiguous()
     if x.shape[0] == 0:
         return torch.empty(0, layer.qweight.shape[1], dtype=x.dtype, device=x.device)
     if x.shape[0] <= GEMV_MAX_ROWS:
         return wna16_gemv(layer, scheme.bits, x, bias)
+    if x.shape[0] >= DEQUANT_MIN_ROWS:
+        return wna16_dequant_mm(layer, scheme.bits, x, bias)
     return wna16_gemm(layer, scheme.bits, x, bias)

@@ -115,6 +115,27 @@ def test_triton_gemm_bf16(kernel_device):
     torch.testing.assert_close(out.float().cpu(), expected, atol=0.05 * expected.abs().max().item(), rtol=1e-2)
 
 
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, -1)])
+def test_triton_dequantize_then_matmul_for_large_batches(kernel_device, bits, group, monkeypatch):
+    """From DEQUANT_MIN_ROWS rows the layer is dequantized into the one-layer scratch (W.T exactly the
+    reference's weights) and multiplied by torch; fewer rows keep the fused GEMM."""
+    pytest.importorskip("triton")
+    from runtime_quant import wna16_gpu
+
+    layer, scheme = make_layer(bits, group, 200, 72, kernel_device, seed=7)
+    cpu_layer, _ = make_layer(bits, group, 200, 72, seed=7)
+    dense_t = dequant_matmul(cpu_layer, scheme, torch.eye(200), None)  # W.T, [K, N]
+    assert torch.equal(wna16_gpu.wna16_dequantize_gpu(layer, bits, torch.float32).cpu(), dense_t)
+    fused, calls = wna16_gpu.wna16_gemm, []
+    monkeypatch.setattr(wna16_gpu, "wna16_gemm", lambda layer, bits, x, bias: calls.append(len(x)) or fused(layer, bits, x, bias))
+    for rows in (wna16_gpu.DEQUANT_MIN_ROWS - 1, wna16_gpu.DEQUANT_MIN_ROWS):
+        x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows))
+        bias = torch.randn(72)
+        out = wna16_gpu.triton_wna16(layer, scheme, x.to(kernel_device), bias.to(kernel_device))
+        torch.testing.assert_close(out.cpu(), dequant_matmul(cpu_layer, scheme, x, bias), atol=1e-3, rtol=1e-4)
+    assert calls == [wna16_gpu.DEQUANT_MIN_ROWS - 1]  # only the smaller batch ran the fused GEMM
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
                          ids=["qkv", "o", "gate_up", "down"])  # Llama-3-8B's linear layers
