@@ -97,7 +97,9 @@ class SchedulerConnector:
 
     def loads_in_background(self, request: Request, num_external: int) -> bool:
         """Whether the connector writes ``request``'s external tokens while steps run without it."""
-        return bool(num_external) and self._in_background is not None and bool(self._in_background(request))
+        if not num_external or self._in_background is None or self._finished_loading is None:
+            return False  # a background load needs get_finished_loading to end
+        return bool(self._in_background(request))
 
     def start_loading(self, request: Request, num_computed: int) -> None:
         """``request`` holds its blocks and waits for its background load (:meth:`take_background_loads`)."""
