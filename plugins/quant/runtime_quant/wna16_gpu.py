@@ -64,6 +64,14 @@ class GemvConfig:
     block_k: int  # at most the group's power-of-two step (see block_k)
     split: int  # programs along K
     num_warps: int = 4
+    q4: bool = False  # one row of 4-bit codes: jit_wna16.wna16_gemv_q4_kernel (no int-to-float conversions)
+
+
+# The conversion-free one-row 4-bit kernel (wna16_gemv_q4_kernel): its loop compiles for sm_90 to
+# 5.4-5.8 instructions a weight and no I2F (the current kernel: ~5.6 and one quarter-rate I2F a weight,
+# which bounds it near 1.9 TB/s of packed bytes on an H100). Not yet timed on a GPU, so off by
+# default; RUNTIME_WNA16_Q4_GEMV=1 turns it on, `plugins/quant/bench/wna16_gpu.py --q4` compares.
+Q4_GEMV = os.environ.get("RUNTIME_WNA16_Q4_GEMV") == "1"
 
 
 def gemv_config(n: int, k: int, group_rows: int, device: torch.device) -> GemvConfig:
@@ -73,8 +81,8 @@ def gemv_config(n: int, k: int, group_rows: int, device: torch.device) -> GemvCo
     step = block_k(group_rows, k)
     k_blocks = _cdiv(k, step)
     if device.type != "cuda":
-        return GemvConfig(64, step, min(2, k_blocks))  # the interpreter: exercise the split path
-    return GemvConfig(128, step, min(k_blocks, 16 if k <= 8192 else 32))
+        return GemvConfig(64, step, min(2, k_blocks), q4=Q4_GEMV)  # the interpreter: exercise the split path
+    return GemvConfig(128, step, min(k_blocks, 16 if k <= 8192 else 32), q4=Q4_GEMV)
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -92,7 +100,7 @@ def _locks(device: torch.device) -> torch.Tensor:
 
 def wna16_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.Tensor | None,
                config: GemvConfig | None = None) -> torch.Tensor:
-    from runtime_quant.jit_wna16 import wna16_gemv_kernel
+    from runtime_quant.jit_wna16 import wna16_gemv_kernel, wna16_gemv_q4_kernel
 
     qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
     rows, k = x.shape
@@ -105,6 +113,13 @@ def wna16_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.T
     assert n_blocks <= _LOCK_SLOTS, f"{n} output features need more than {_LOCK_SLOTS} column blocks"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    if c.q4 and rows == 1 and bits == 4 and c.block_k >= 8:
+        wna16_gemv_q4_kernel[(n_blocks, split)](
+            x, qweight, scales, zeros, bias if bias is not None else out, out, parts, _locks(x.device),
+            n, k, layer.quant_group_rows, k_per_split, qweight.stride(0), scales.stride(0), out.stride(0), 0x4B000000,
+            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
+        )
+        return out
     wna16_gemv_kernel[(n_blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, parts, _locks(x.device),
         rows, n, k, layer.quant_group_rows, k_per_split,

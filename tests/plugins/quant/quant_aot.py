@@ -1,0 +1,39 @@
+"""Compile runtime-plugin-quant's 4/8-bit kernels for an H100 (sm_90) without a GPU.
+
+Run as a script with ``TRITON_INTERPRET`` unset (see ``tests/kernels/kernel_aot.py``, whose
+compile helper this uses): ``python tests/plugins/quant/quant_aot.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "kernels"))
+from kernel_aot import compile_for_sm90  # noqa: E402
+
+from runtime_quant import jit_wna16  # noqa: E402
+
+POINTERS = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "part_ptr": "*fp32", "lock_ptr": "*i32"}
+
+
+def signature(fn, constants: dict, pointers: dict) -> dict:
+    return {name: pointers.get(name, "i32") for name in fn.arg_names if name not in constants}
+
+
+def main() -> None:
+    for fn, constants, warps in (
+        (jit_wna16.wna16_gemv_kernel, dict(BITS=4, SPLIT_K=16, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=128, BLOCK_K=128), 4),
+        (jit_wna16.wna16_gemv_q4_kernel, dict(SPLIT_K=16, HAS_BIAS=True, BLOCK_N=128, BLOCK_K=128), 4),
+        (jit_wna16.wna16_gemv_q4_kernel, dict(SPLIT_K=1, HAS_BIAS=False, BLOCK_N=256, BLOCK_K=32), 8),
+        (jit_wna16.wna16_gemm_kernel, dict(BITS=4, HAS_BIAS=False, IEEE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 4),
+        (jit_wna16.wna16_dequantize_kernel, dict(BITS=4, BLOCK_N=64, BLOCK_K=128), 4),
+        (jit_wna16.wna16_dequantize_kernel, dict(BITS=8, BLOCK_N=64, BLOCK_K=64), 4),
+    ):
+        compile_for_sm90(fn, signature(fn, constants, POINTERS), constants, num_warps=warps)
+    print("all quant kernels compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
