@@ -87,7 +87,7 @@ class CudaIpcConnectorWorker(TcpConnectorWorker):
                                    f"{entry.export.device_uuid} ({exc})") from exc
         src = entry.remote_block_ids
         self.in_background(request_id, lambda ids: self._copy(sources, ids, src), entry.block_ids)
-        self.notifier.submit(self._notify_when_done, self.writes[request_id], entry.params)
+        self.notifier.submit(self._notify_when_done, self.writes[request_id][0], entry.params)
 
     def _copy(self, sources: list[torch.Tensor], dst: torch.Tensor, remote_block_ids: list[int]) -> None:
         src = torch.tensor(remote_block_ids, dtype=torch.int64, device=self.device)

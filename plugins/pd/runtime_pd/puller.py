@@ -4,6 +4,7 @@ tells it (a :class:`runtime_pd.wire.Pulled` notice) that it may free them."""
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -74,7 +75,10 @@ class Puller:
         reply = decode_reply(header.buffer)
         if reply.error:
             raise TransferError(reply.error)
-        return Staged(unpack_blocks(reply, frames, len(params["remote_block_ids"])), int(params["num_remote_tokens"]))
+        tensors = unpack_blocks(reply, frames, len(params["remote_block_ids"]))
+        if _pin_staged():  # here, in the pull's thread: the worker's copy to the GPU then runs beside the steps
+            tensors = [t.pin_memory() for t in tensors]
+        return Staged(tensors, int(params["num_remote_tokens"]))
 
     def exchange(self, params: dict) -> tuple:
         """Send the pull of ``params``' blocks to the prefill instance: its answer (header, further frames)."""
@@ -102,6 +106,13 @@ class Puller:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@functools.cache
+def _pin_staged() -> bool:
+    """Staged blocks go to page-locked memory where a GPU may take them (a copy from pageable
+    memory would hold the worker's thread until it is done)."""
+    return torch.cuda.is_available()
 
 
 def send_pulled(context: zmq.Context, params: dict) -> None:

@@ -36,7 +36,7 @@ class TcpConnectorWorker:
         self.lock = threading.Condition()
         self.server: BlockServer | None = None
         self.stream: torch.cuda.Stream | None = None  # background writes on a GPU
-        self.writes: dict[str, object] = {}  # request id -> the CUDA event of its background write
+        self.writes: dict[str, tuple] = {}  # request id -> (the CUDA event of its background write, its sources)
         self.written: list[str] = []  # writes done since the last report
         self.failed: dict[str, str] = {}  # request id -> why its write failed, since the last report
 
@@ -68,7 +68,7 @@ class TcpConnectorWorker:
         self.check_layers([(t.dtype, tuple(t.shape[1:])) for t in tensors], "sent")
         self.in_background(request_id, lambda ids: [
             layer.index_copy_(0, ids, blocks.to(layer.device, non_blocking=True)) for layer, blocks in zip(self.layers, tensors)
-        ], block_ids)
+        ], block_ids, keep=tensors)
 
     def check_layers(self, layers: list[tuple], verb: str) -> None:
         """The prefill instance's layers (dtype, block shape) match this cache's; else a clear error."""
@@ -82,9 +82,10 @@ class TcpConnectorWorker:
                     "and attention backend"
                 )
 
-    def in_background(self, request_id: str, write, block_ids: list[int]) -> None:
+    def in_background(self, request_id: str, write, block_ids: list[int], keep=None) -> None:
         """Run ``write(ids)`` (``ids``: ``block_ids`` on the cache's device); on a GPU on the side
-        stream, done once its event is (see the module docstring)."""
+        stream, done once its event is (see the module docstring). ``keep`` (the write's host
+        sources, pinned: copied asynchronously) is held until then."""
         device = self.layers[0].device
         if self.stream is None:
             write(torch.tensor(block_ids, dtype=torch.int64, device=device))
@@ -96,11 +97,11 @@ class TcpConnectorWorker:
             write(ids)
             done = torch.cuda.Event()
             done.record(self.stream)
-        self.writes[request_id] = done
+        self.writes[request_id] = (done, keep)
 
     def get_connector_output(self) -> dict | None:
         """This step's report: background writes done, and failed ones (None when neither)."""
-        for request_id, done in list(self.writes.items()):
+        for request_id, (done, _) in list(self.writes.items()):
             if done.query():
                 del self.writes[request_id]
                 self.written.append(request_id)
