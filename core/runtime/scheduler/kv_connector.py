@@ -101,10 +101,45 @@ class SchedulerConnector:
             return False  # a background load needs get_finished_loading to end
         return bool(self._in_background(request))
 
-    def start_loading(self, request: Request, num_computed: int) -> None:
-        """``request`` holds its blocks and waits for its background load (:meth:`take_background_loads`)."""
-        request.num_computed_tokens = num_computed
+    def start_loading(self, request: Request, computed_blocks: list, num_device_cached: int, num_external: int) -> bool:
+        """Blocks for ``request``'s external tokens alone, kept out of the prefix cache, and the
+        connector told to load them: the request then holds them and waits for the load
+        (:meth:`take_background_loads`). False (nothing changed) when the pool cannot supply them."""
+        if self.kv.allocate_slots(request, num_external, computed_blocks, cache=False) is None:
+            self.alloc_failed(request)
+            return False
+        self.after_alloc(request, num_external)  # its load runs while steps go on
+        request.num_computed_tokens = num_device_cached + num_external
         self.loading[request.request_id] = request
+        return True
+
+    def admit_loaded(self, request: Request, budget: int, chunked_prefill: bool) -> tuple[list[int], int, int] | None:
+        """A request whose background load ended, admitted: (all its block ids, tokens computed, tokens
+        to schedule), with blocks for the rest of its prompt (the loaded ones join the prefix cache
+        now); None when the budget or the pool cannot take it this step."""
+        num_cached = request.num_computed_tokens
+        num_new = request.num_tokens - num_cached
+        if not chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv.allocate_slots(request, num_new) is None:
+            return None
+        self.loaded.discard(request.request_id)
+        return self.kv.block_ids(request.request_id), num_cached, num_new
+
+    def poll(self, idle: bool) -> tuple[list[Request], list[Request], list[tuple[Request, str]]]:
+        """Free the blocks the connector is done sending; the requests whose loads ended: (to admit
+        first: they hold their blocks already, to admit after the others, (to fail, why)). When the
+        scheduler has nothing else to run (``idle``), wait a moment for one."""
+        self.release_sent()
+        first, last, failed = [], [], []
+        if self.loading or self.held_loading:
+            first, last, failed = self.take_background_loads(idle)
+        if self.waiting_remote:
+            ready, failed_remote = self.take_loaded(idle and not (first or last or self.loading))
+            last += ready
+            failed += failed_remote
+        return first, last, failed
 
     def take_background_loads(self, idle: bool) -> tuple[list[Request], list[Request], list[tuple[Request, str]]]:
         """Background loads that ended: (loaded: admit them, failed: compute their prompt here,

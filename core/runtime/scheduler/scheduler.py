@@ -134,30 +134,23 @@ class Scheduler:
             try:
                 ready = self.structured_output.poll(request.grammar)
             except ValueError as exc:
-                request.status = RequestStatus.FINISHED_ABORTED
-                self._free(request)
-                self.failed[request.request_id] = str(exc)
+                self._fail(request, str(exc))
                 continue
             (self.waiting if ready else still).append(request)
         self.waiting_for_grammar = still
 
     def _poll_kv_connector(self) -> None:
-        """Free blocks the connector is done sending; admit (or fail) requests whose remote KV arrived."""
-        connector = self.kv_connector
-        connector.release_sent()
-        failed = []
-        if connector.loading or connector.held_loading:
-            loaded, recompute, failed = connector.take_background_loads(idle=not (self.waiting or self.running))
-            self.waiting[:0] = loaded  # admitted first: they hold their blocks already
-            self.waiting.extend(recompute)
-        if connector.waiting_remote:
-            ready, failed_remote = connector.take_loaded(idle=not (self.waiting or self.running or connector.loading))
-            self.waiting.extend(ready)
-            failed += failed_remote
+        """Admit (or fail) requests whose remote or background KV loads ended."""
+        first, last, failed = self.kv_connector.poll(idle=not (self.waiting or self.running))
+        self.waiting[:0] = first
+        self.waiting.extend(last)
         for request, why in failed:
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._free(request)
-            self.failed[request.request_id] = why
+            self._fail(request, why)
+
+    def _fail(self, request: Request, why: str) -> None:
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free(request)
+        self.failed[request.request_id] = why
 
     # ---------------------------------------------------------------- schedule
     def _preempt_one(self, first_candidate: int) -> Request:
@@ -208,21 +201,8 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.attach_metadata(output)
         if self.structured_output is not None:
-            self._add_grammar_bitmask(output)
+            self.structured_output.attach_bitmask(output, self.requests)
         return output
-
-    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """The allowed next tokens of every scheduled constrained request that samples this step (one
-        with a token in flight decodes: its computed tokens pass the known ones, so it has a row)."""
-        requests = self.requests
-        constrained = [
-            request
-            for req_id in output.num_scheduled_tokens
-            if (request := requests[req_id]).grammar is not None
-            and request.num_computed_tokens >= request.num_tokens  # its chunk reaches the end: it samples
-        ]
-        if constrained:
-            output.structured_output_request_ids, output.grammar_bitmask = self.structured_output.grammar_bitmask(constrained)
 
     def _schedule_running(
         self,
@@ -314,7 +294,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._next_waiting()
             if self.kv_connector is not None and request.request_id in self.kv_connector.loaded:
-                admitted = self._admit_loaded(request, budget)
+                admitted = self.kv_connector.admit_loaded(request, budget, self.config.enable_chunked_prefill)
             else:
                 admitted = self._admit(request, budget)
             if admitted is None:
@@ -354,12 +334,9 @@ class Scheduler:
             self.kv_connector.wait_remote(request, num_cached)  # looked up again when it is back
             return _PARKED
         if self.kv_connector is not None and self.kv_connector.loads_in_background(request, num_external):
-            if kv.allocate_slots(request, num_external, computed_blocks, cache=False) is None:
-                self.kv_connector.alloc_failed(request)
+            if not self.kv_connector.start_loading(request, computed_blocks, num_cached, num_external):
                 return None
-            self.kv_connector.after_alloc(request, num_external)  # its load runs while steps go on
             self.waiting.remove(request)
-            self.kv_connector.start_loading(request, num_cached + num_external)
             return _PARKED
         num_new = request.num_tokens - num_cached - num_external
         block_ids = None
@@ -373,20 +350,6 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.after_alloc(request, num_external)  # loaded before this step's forward pass
         return block_ids, num_cached + num_external, num_new
-
-    def _admit_loaded(self, request: Request, budget: int) -> tuple[list[int], int, int] | None:
-        """A request whose background KV load ended: (all its block ids, tokens computed, tokens to
-        schedule), with blocks for the rest of its prompt (the loaded ones join the prefix cache
-        now); None when the budget or the pool cannot take it this step."""
-        num_cached = request.num_computed_tokens
-        num_new = request.num_tokens - num_cached
-        if not self.config.enable_chunked_prefill and num_new > budget:
-            return None
-        num_new = min(num_new, budget)
-        if self.kv_cache_manager.allocate_slots(request, num_new) is None:
-            return None
-        self.kv_connector.loaded.discard(request.request_id)
-        return self.kv_cache_manager.block_ids(request.request_id), num_cached, num_new
 
     # ---------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:

@@ -167,6 +167,19 @@ class StructuredOutputManager:
             concurrent.futures.wait(futures, timeout=max(0.0, min(timeout, deadline)), return_when="FIRST_COMPLETED")
 
     # ---------------------------------------------------------------- bitmask
+    def attach_bitmask(self, output, requests: dict[str, Request]) -> None:
+        """Put on the step ``output`` (a :class:`runtime.messages.SchedulerOutput`) the bitmask of every
+        scheduled constrained request that samples this step (one with a token in flight decodes:
+        its computed tokens pass the known ones, so it has a row)."""
+        constrained = [
+            request
+            for req_id in output.num_scheduled_tokens
+            if (request := requests[req_id]).grammar is not None
+            and request.num_computed_tokens >= request.num_tokens  # its chunk reaches the end: it samples
+        ]
+        if constrained:
+            output.structured_output_request_ids, output.grammar_bitmask = self.grammar_bitmask(constrained)
+
     def grammar_bitmask(self, requests: list[Request]) -> tuple[dict[str, int], DeferredBitmask]:
         """Rows of allowed next tokens for ``requests`` (each with a ready grammar):
         ``({request_id: row}, bitmask)``; the bitmask's ``tensor()`` is a new CPU int32 tensor

@@ -115,7 +115,7 @@ class TcpConnectorWorker:
         pass  # blocks leave through the server, not through steps
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        return set(), set()  # the scheduler half learns of sends and loads itself
+        return set(), set()  # sends: the scheduler half hears of pulls itself; loads: get_connector_output reports them
 
     def serve_pull(self, request_id: str, block_ids: list[int], layout: str) -> tuple[PullReply, list]:
         """The reply to one pull: the leased blocks, or an error naming why not."""
