@@ -73,17 +73,17 @@ class Linear(nn.Linear):
         return [self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        bias = self.rank_bias()
         if self.quant_method is not None:
-            return self.reduce_output(self.quant_method.apply(self, x, bias))
-        return self.reduce_output(self._linear(x, self.weight, bias))
+            return self.quant_method.apply(self, x, self.bias)
+        return self._linear(x, self.weight, self.bias)
 
     def rank_bias(self) -> torch.Tensor | None:
-        """The bias this rank adds (all of it: the layer is whole)."""
+        """The bias this rank adds (all of it: the layer is whole; :meth:`forward` reads ``self.bias``)."""
         return self.bias
 
     def reduce_output(self, out: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's product ``out`` (``out`` itself: the layer is whole)."""
+        """The layer's output from this rank's product ``out`` (``out`` itself: the layer is whole;
+        :meth:`forward` skips the call, a fused op's caller makes it)."""
         return out
 
     def gemv_operands(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -132,6 +132,12 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__(divide(in_features, tp_size(), "the input size"), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        bias = self.rank_bias()
+        if self.quant_method is not None:
+            return self.reduce_output(self.quant_method.apply(self, x, bias))
+        return self.reduce_output(self._linear(x, self.weight, bias))
 
     def rank_bias(self) -> torch.Tensor | None:
         """Rank 0's alone: the ranks' products of their input columns ``[T, in / tp]`` are summed."""
