@@ -7,18 +7,18 @@ on the dequantized bf16 weight, the packed kernel's effective bandwidth (bytes o
 weights, scales and zero points read once, per second), and the sum over one decoder
 layer times 32 layers (the per-token linear time of the 8B model at batch 1).
 
-    python plugins/quant/bench/wna16_gpu.py [--bits 4] [--group 128] [--batches 1,4,16,64,256] [--sweep]
+    python plugins/quant/bench/wna16_gpu.py [--bits 4] [--group 128] [--batches 1,4,16,64,256] [--sweep] [--one-row]
 
 Times are taken inside a CUDA graph (as decode runs), so launch overhead does not count.
 ``--sweep`` also times every GEMV tiling of a grid for the decode batches (<= 4 rows) and
 prints the fastest per shape next to the one :func:`runtime_quant.wna16_gpu.gemv_config` picks.
-``--q4`` compares, at one row and 4 bits, the current GEMV with the conversion-free one
-(``GemvConfig.q4``) on a few tilings, on copies of each layer rotated past the L2 cache.
+``--one-row`` compares, at one row and 4 bits, the Triton GEMV and the CUDA one (``runtime_quant.w4a16_cuda``), on copies of each layer rotated past the L2 cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 
 import torch
@@ -87,36 +87,37 @@ def sweep(layers: dict, bits: int, batches: list[int]) -> None:
                   "; ".join(f"{c} {timings[c]:7.1f} us ({nbytes / timings[c] / 1e3:6.0f} GB/s)" for c in best), flush=True)
 
 
-def compare_q4(scheme: WNA16Scheme, l2_bytes: int = 120 << 20) -> None:
-    """One row, 4 bits: the current GEMV against the conversion-free one, per shape and for all
-    linears x 32 layers, each call on the next of enough layer copies that none is still in L2."""
-    totals = {"current": 0.0, "q4 (chosen tiling)": 0.0, "q4 (best tiling)": 0.0}
+def compare_one_row(scheme: WNA16Scheme, l2_bytes: int = 120 << 20) -> None:
+    """One row, 4 bits: the Triton GEMV against the CUDA one
+    (:mod:`runtime_quant.w4a16_cuda`, a few chunk counts per block), per shape and for all linears
+    x 32 layers, each call on the next of enough layer copies that none is still in L2."""
+    from runtime_quant import w4a16_cuda
+    from runtime_quant.wna16_gpu import _locks
+
+    variants = [dataclasses.replace(v, chunks_per_block=c) for v in w4a16_cuda.VARIANTS for c in (8, 16)]
+    totals = {}
     for name, (k, n) in SHAPES.items():
         first = packed_layer(k, n, scheme)
         nbytes = first.qweight.numel() * 4 + first.scales.numel() * 4 + first.zeros.numel()
         copies = [first] + [packed_layer(k, n, scheme) for _ in range(max(1, -(-l2_bytes // nbytes)) - 1)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         chosen = gemv_config(n, k, first.quant_group_rows, x.device)
-
-        def per_layer(config):
-            return cuda_time(lambda: [wna16_gemv(c, 4, x, None, config) for c in copies], repeats=4, replays=5) / len(copies)
-
-        ref = wna16_gemv(first, 4, x, None, chosen).float()
-        got = wna16_gemv(first, 4, x, None, GemvConfig(chosen.block_n, chosen.block_k, chosen.split, chosen.num_warps, q4=True))
-        err = (got.float() - ref).abs().max().item()
-        current = per_layer(chosen)
-        q4 = {GemvConfig(bn, chosen.block_k, split, warps, q4=True): 0.0
-              for bn, warps, split in itertools.product((128, 256), (4, 8), (chosen.split, 2 * chosen.split))}
-        for config in q4:
-            q4[config] = per_layer(config)
-        q4_chosen = q4[GemvConfig(chosen.block_n, chosen.block_k, chosen.split, chosen.num_warps, q4=True)]
-        best = min(q4, key=q4.get)
-        for label, us in (("current", current), ("q4 (chosen tiling)", q4_chosen), ("q4 (best tiling)", q4[best])):
-            totals[label] += us
-        print(f"q4 {name:8s} [{k}x{n}]: current {current:7.1f} us ({nbytes / current / 1e3:5.0f} GB/s), q4 same tiling "
-              f"{q4_chosen:7.1f} us ({nbytes / q4_chosen / 1e3:5.0f} GB/s), q4 best {best} {q4[best]:7.1f} us "
-              f"({nbytes / q4[best] / 1e3:5.0f} GB/s); max |q4 - current| {err:.3g}", flush=True)
-    print("q4 all linears x 32 layers: " + ", ".join(f"{label} {us * NUM_LAYERS / 1e3:.3f} ms" for label, us in totals.items()))
+        locks = _locks(x.device)
+        runs = {
+            "triton": lambda c: wna16_gemv(c, 4, x, None, chosen),
+            **{f"cuda {v.columns}c/{v.min_blocks}b/{v.chunks_per_block}k": (lambda c, v=v: w4a16_cuda.gemv(c, x, None, locks, v))
+               for v in variants},
+        }
+        ref = dequantize_codes(first, unpack(first.qweight, 4, dim=0), 0)
+        ref = (x.float() @ ref.cuda()).float()
+        line = []
+        for label, run in runs.items():
+            err = (run(first).float() - ref).abs().max().item() / ref.abs().max().item()
+            us = cuda_time(lambda: [run(c) for c in copies], repeats=4, replays=5) / len(copies)
+            totals[label] = totals.get(label, 0.0) + us
+            line.append(f"{label} {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s, err {err:.1e})")
+        print(f"one-row {name:8s} [{k}x{n}]: " + "; ".join(line), flush=True)
+    print("one-row all linears x 32 layers: " + ", ".join(f"{label} {us * NUM_LAYERS / 1e3:.3f} ms" for label, us in totals.items()))
 
 
 def main() -> None:
@@ -126,11 +127,11 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16,64,256")
     parser.add_argument("--sweep", action="store_true", help="time a grid of GEMV tilings per decode shape")
     parser.add_argument("--sweep-batches", default="1")
-    parser.add_argument("--q4", action="store_true", help="compare the conversion-free one-row 4-bit GEMV, then exit")
+    parser.add_argument("--one-row", action="store_true", help="compare the one-row 4-bit GEMVs (Triton, CUDA), then exit")
     args = parser.parse_args()
     scheme = WNA16Scheme("gptq", args.bits, args.group, symmetric=False)
-    if args.q4:
-        compare_q4(WNA16Scheme("gptq", 4, args.group, symmetric=False))
+    if args.one_row:
+        compare_one_row(WNA16Scheme("gptq", 4, args.group, symmetric=False))
         return
     layers = {name: packed_layer(i, o, scheme) for name, (i, o) in SHAPES.items()}
     dense = {name: dequantize_codes(layer, unpack(layer.qweight, args.bits, dim=0), 0).t().to(torch.bfloat16).contiguous()

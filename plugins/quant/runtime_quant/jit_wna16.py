@@ -117,56 +117,6 @@ def wna16_gemv_kernel(
 
 
 @triton.jit
-def wna16_gemv_q4_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr,
-    N, K, GROUP_ROWS, K_PER_SPLIT,
-    stride_qk, stride_sg, stride_om,
-    magic,  # 0x4B000000 (the bits of 2**23), passed at run time so that it stays in a register
-    SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One row of 4-bit codes (the batch-1 decode step) in about three instructions a weight.
-
-    A code becomes a float without a conversion instruction: OR-ing the masked nibble (still in
-    place in its word, at bit ``s``) into the bits of 2**23 gives the float ``2**23 + code * 2**s``
-    exactly, and subtracting ``2**23 + zero * 2**s`` leaves ``(code - zero) * 2**s`` (exact); ``x``
-    comes pre-multiplied by ``2**-s`` (exact). Nibbles 5-7 are shifted down by 12 bits first so
-    that every nibble sits below the float's 23 mantissa bits. Products accumulate per thread in a
-    [BLOCK_K / 8, BLOCK_N] tile, scaled once per group, reduced across threads once at the end.
-    """
-    KW: tl.constexpr = BLOCK_K // 8
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_w = tl.arange(0, KW)
-    acc = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    for k0 in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-        rows_w = k0 // 8 + offs_w
-        w_ok = rows_w < K // 8
-        words = tl.load(qw_ptr + rows_w.to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
-                        mask=w_ok[:, None] & n_ok[None, :], other=0)  # [KW, BLOCK_N]
-        high = words >> 12
-        zero = _group_row(z_ptr, k0, GROUP_ROWS, stride_sg, offs_n, n_ok)[None, :]  # [1, BLOCK_N], the tile's layout
-        part = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
-        for p in tl.static_range(8):
-            if p < 5:
-                nibbles = words & (15 << (4 * p))
-                place = 1 << (4 * p)
-            else:
-                nibbles = high & (15 << (4 * p - 12))
-                place = 1 << (4 * p - 12)
-            x = tl.load(x_ptr + rows_w * 8 + p, mask=w_ok, other=0.0).to(tl.float32) * (1.0 / place)
-            q = (nibbles | magic).to(tl.float32, bitcast=True) - (zero * place + 8388608.0)
-            part += x[:, None] * q
-        acc += part * _group_row(s_ptr, k0, GROUP_ROWS, stride_sg, offs_n, n_ok)[None, :]
-    total = tl.sum(acc, axis=0)[None, :]  # [1, BLOCK_N]
-    store_split_k(total, out_ptr, bias_ptr, part_ptr, lock_ptr, tl.arange(0, 1), offs_n, tl.arange(0, 1) < 1, n_ok, N,
-                  stride_om, SPLIT_K, HAS_BIAS)
-
-
-@triton.jit
 def _k_order_weights(qw_ptr, s_ptr, z_ptr, k0, K, GROUP_ROWS, stride_qk, stride_sg, offs_n, n_ok,
                      BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows ``k0 .. k0 + BLOCK_K`` of ``W.T``, in K order: ``(q - zero) * scale`` [BLOCK_K, BLOCK_N] float32."""

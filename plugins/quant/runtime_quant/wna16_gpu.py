@@ -1,7 +1,9 @@
 """Weight-only 4/8-bit layers on the GPU: Triton kernels over the canonical packed layout.
 
-Decode-sized batches (at most :data:`GEMV_MAX_ROWS` rows) take the dequantize-in-kernel
-GEMV, split along K so that a small layer still fills the GPU; larger batches take the
+One row of 4-bit weights (the batch-1 decode step) takes the CUDA GEMV of
+:mod:`runtime_quant.w4a16_cuda` where CuPy can compile it. Other decode-sized batches (at most
+:data:`GEMV_MAX_ROWS` rows) take the dequantize-in-kernel Triton GEMV, split along K so that a
+small layer still fills the GPU; larger batches take the
 dequantize-tile + ``tl.dot`` GEMM, and from :data:`DEQUANT_MIN_ROWS` rows the layer is
 dequantized into a reused scratch of ONE layer (:func:`scratch`: the largest layer's weights in
 the activations' dtype, shared by all layers) and multiplied by cuBLAS, as GGUF layers do. The
@@ -16,6 +18,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from runtime_quant import w4a16_cuda
 
 GEMV_MAX_ROWS = 4
 # From this many rows: dequantize into the one-layer scratch, then cuBLAS. Provisional, from GGUF's
@@ -64,14 +68,6 @@ class GemvConfig:
     block_k: int  # at most the group's power-of-two step (see block_k)
     split: int  # programs along K
     num_warps: int = 4
-    q4: bool = False  # one row of 4-bit codes: jit_wna16.wna16_gemv_q4_kernel (no int-to-float conversions)
-
-
-# The conversion-free one-row 4-bit kernel (wna16_gemv_q4_kernel): its loop compiles for sm_90 to
-# 5.4-5.8 instructions a weight and no I2F (the current kernel: ~5.6 and one quarter-rate I2F a weight,
-# which bounds it near 1.9 TB/s of packed bytes on an H100). Not yet timed on a GPU, so off by
-# default; RUNTIME_WNA16_Q4_GEMV=1 turns it on, `plugins/quant/bench/wna16_gpu.py --q4` compares.
-Q4_GEMV = os.environ.get("RUNTIME_WNA16_Q4_GEMV") == "1"
 
 
 def gemv_config(n: int, k: int, group_rows: int, device: torch.device) -> GemvConfig:
@@ -81,8 +77,8 @@ def gemv_config(n: int, k: int, group_rows: int, device: torch.device) -> GemvCo
     step = block_k(group_rows, k)
     k_blocks = _cdiv(k, step)
     if device.type != "cuda":
-        return GemvConfig(64, step, min(2, k_blocks), q4=Q4_GEMV)  # the interpreter: exercise the split path
-    return GemvConfig(128, step, min(k_blocks, 16 if k <= 8192 else 32), q4=Q4_GEMV)
+        return GemvConfig(64, step, min(2, k_blocks))  # the interpreter: exercise the split path
+    return GemvConfig(128, step, min(k_blocks, 16 if k <= 8192 else 32))
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -100,8 +96,12 @@ def _locks(device: torch.device) -> torch.Tensor:
 
 def wna16_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.Tensor | None,
                config: GemvConfig | None = None) -> torch.Tensor:
-    from runtime_quant.jit_wna16 import wna16_gemv_kernel, wna16_gemv_q4_kernel
+    """``x`` [rows <= 4, K] @ the layer: the CUDA one-row kernel where it applies, unless a Triton
+    ``config`` is given (benchmarks, tests), else the Triton GEMV."""
+    from runtime_quant.jit_wna16 import wna16_gemv_kernel
 
+    if config is None and w4a16_cuda.supports(layer, bits, x):
+        return w4a16_cuda.gemv(layer, x, bias, _locks(x.device))
     qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
     rows, k = x.shape
     n = qweight.shape[1]
@@ -113,13 +113,6 @@ def wna16_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.T
     assert n_blocks <= _LOCK_SLOTS, f"{n} output features need more than {_LOCK_SLOTS} column blocks"
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(split, block_m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    if c.q4 and rows == 1 and bits == 4 and c.block_k >= 8:
-        wna16_gemv_q4_kernel[(n_blocks, split)](
-            x, qweight, scales, zeros, bias if bias is not None else out, out, parts, _locks(x.device),
-            n, k, layer.quant_group_rows, k_per_split, qweight.stride(0), scales.stride(0), out.stride(0), 0x4B000000,
-            SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
-        )
-        return out
     wna16_gemv_kernel[(n_blocks, split)](
         x, qweight, scales, zeros, bias if bias is not None else out, out, parts, _locks(x.device),
         rows, n, k, layer.quant_group_rows, k_per_split,

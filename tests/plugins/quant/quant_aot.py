@@ -25,8 +25,6 @@ def signature(fn, constants: dict, pointers: dict) -> dict:
 def main() -> None:
     for fn, constants, warps in (
         (jit_wna16.wna16_gemv_kernel, dict(BITS=4, SPLIT_K=16, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=128, BLOCK_K=128), 4),
-        (jit_wna16.wna16_gemv_q4_kernel, dict(SPLIT_K=16, HAS_BIAS=True, BLOCK_N=128, BLOCK_K=128), 4),
-        (jit_wna16.wna16_gemv_q4_kernel, dict(SPLIT_K=1, HAS_BIAS=False, BLOCK_N=256, BLOCK_K=32), 8),
         (jit_wna16.wna16_gemm_kernel, dict(BITS=4, HAS_BIAS=False, IEEE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128), 4),
         (jit_wna16.wna16_dequantize_kernel, dict(BITS=4, BLOCK_N=64, BLOCK_K=128), 4),
         (jit_wna16.wna16_dequantize_kernel, dict(BITS=8, BLOCK_N=64, BLOCK_K=64), 4),

@@ -1,0 +1,276 @@
+// One row of activations times a 4-bit weight-only layer (the batch-1 decode step), in the canonical
+// layout of runtime_quant.wna16_kernels: qweight uint32 [K / 8, N] (code k of column n at bits 4 * (k % 8) of
+// word k / 8), scales float32 and zeros uint8 [groups, N]; out[n] = sum_k x[k] * (q[k, n] - zero) * scale.
+//
+// Why CUDA and not Triton: the Triton GEMV spends ~5.6 instructions a weight (one a quarter-rate int-to-float
+// conversion), and Triton has no packed half2 arithmetic. Here a weight costs ~1.7 instructions, two weights at
+// a time in f16x2 registers:
+//   - one LOP3 puts two nibbles (bits 0-3 and 16-19, or 4-7 and 20-23) into the mantissas of two halves of
+//     1024.0: the halves are exactly 1024 + q (or 1024 + 16 q);
+//   - one f16x2 subtraction of 1024 + zero (or 1024 + 16 zero) leaves q - zero (or 16 (q - zero)), exactly;
+//   - one f16x2 FMA multiplies by x (x / 16 for the shifted pair) into a half2 sum of two words (8 products a
+//     lane), which then goes to float32. The group's scale multiplies the float sum of its 128 rows.
+// x enters as half after a power-of-two scaling that puts the block's largest |x| below 1, so no half sum can
+// overflow (|sum| <= 8 * 15) whatever the activations' range (bfloat16's is wider); the block's result is
+// scaled back exactly.
+//
+// A block is 8 warps over 32 C columns (C = 4 or 2 a lane: one 16- or 8-byte load per word row) and a run of
+// 128-row chunks of K; each warp takes whole chunks. Its first chunk's loads are issued before x is prepared, and while it
+// computes one half of a chunk (8 word rows) the loads of the next chunk's other half are in flight. Blocks along K
+// (grid.y) write their partial sums, and the last block of a column run to finish (an atomic counter, which it
+// resets) adds them in block order: deterministic, with no zeroing kernel and no atomics on the output.
+
+namespace w4a16 {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunkWords = 16;       // word rows of a chunk
+constexpr int kChunkRows = kChunkWords * 8;
+constexpr int kHalfWords = kChunkWords / 2;
+constexpr unsigned int kLowNibbles = 0x000F000Fu;
+constexpr unsigned int kHighNibbles = 0x00F000F0u;
+constexpr unsigned int kHalf1024 = 0x64006400u;  // two halves of 1024.0: their mantissa's unit is 1
+
+// The activations' 16-bit types: their bits, read as float and rounded (to nearest even) from float.
+struct f16 {
+  unsigned short bits;
+  __device__ __forceinline__ float value() const {
+    float v;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(v) : "h"(bits));
+    return v;
+  }
+  static __device__ __forceinline__ f16 round(float v) {
+    f16 out;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
+    return out;
+  }
+};
+struct bf16 {
+  unsigned short bits;
+  __device__ __forceinline__ float value() const { return __uint_as_float(static_cast<unsigned int>(bits) << 16); }
+  static __device__ __forceinline__ bf16 round(float v) {
+    bf16 out;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(out.bits) : "f"(v));
+    return out;
+  }
+};
+
+__device__ __forceinline__ unsigned int half2_of(float low, float high) {
+  unsigned int out;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
+  return out;
+}
+__device__ __forceinline__ unsigned int sub_half2(unsigned int a, unsigned int b) {
+  unsigned int out;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+  return out;
+}
+__device__ __forceinline__ unsigned int fma_half2(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int out;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(c));
+  return out;
+}
+__device__ __forceinline__ float sum_half2(unsigned int a) {
+  float low, high;
+  asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}" : "=f"(low), "=f"(high) : "r"(a));
+  return low + high;
+}
+__device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int mask, unsigned int bits) {  // one LOP3
+  unsigned int out;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(out) : "r"(a), "r"(mask), "r"(bits));
+  return out;
+}
+// Weights are read once: not kept in L1. Predicated rather than branched, so that the compiler keeps the
+// next half chunk's loads where they are written (ahead of the other half's arithmetic).
+__device__ __forceinline__ void load_streaming(unsigned int (&v)[4], const unsigned int* address, bool on) {
+  asm volatile(
+      "{.reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
+      : "+r"(v[0]), "+r"(v[1]), "+r"(v[2]), "+r"(v[3]) : "l"(address), "r"(static_cast<int>(on)));
+}
+__device__ __forceinline__ void load_streaming(unsigned int (&v)[2], const unsigned int* address, bool on) {
+  asm volatile("{.reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];}"
+               : "+r"(v[0]), "+r"(v[1]) : "l"(address), "r"(static_cast<int>(on)));
+}
+
+// A group's scales and zero points of a lane's C columns.
+template <int C> struct GroupParams {
+  float scale[C];
+  unsigned int zero1[C], zero16[C];  // 1024 + zero and 1024 + 16 zero, in both halves
+};
+
+template <int C>
+__device__ __forceinline__ void load_scales(float (&scale)[C], unsigned int& zeros, const float* s, const unsigned char* z) {
+  if constexpr (C == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(s);
+    scale[0] = v.x, scale[1] = v.y, scale[2] = v.z, scale[3] = v.w;
+    zeros = *reinterpret_cast<const unsigned int*>(z);
+  } else {
+    const float2 v = *reinterpret_cast<const float2*>(s);
+    scale[0] = v.x, scale[1] = v.y;
+    zeros = *reinterpret_cast<const unsigned short*>(z);
+  }
+}
+
+// The 8 codes of `word` against x's 8 rows (`xs`: the pairs (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16),
+// added into the half2 sum `acc`. `zero1` = 1024 + zero and `zero16` = 1024 + 16 zero, in both halves.
+__device__ __forceinline__ unsigned int dot_word(unsigned int word, uint4 xs, unsigned int zero1, unsigned int zero16,
+                                                 unsigned int acc) {
+  const unsigned int high = word >> 8;
+  acc = fma_half2(sub_half2(and_or(word, kLowNibbles, kHalf1024), zero1), xs.x, acc);
+  acc = fma_half2(sub_half2(and_or(word, kHighNibbles, kHalf1024), zero16), xs.y, acc);
+  acc = fma_half2(sub_half2(and_or(high, kLowNibbles, kHalf1024), zero1), xs.z, acc);
+  return fma_half2(sub_half2(and_or(high, kHighNibbles, kHalf1024), zero16), xs.w, acc);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// A warp's weights of one half chunk (8 word rows x C columns a lane), in flight while it computes the other.
+template <int C> struct HalfChunk {
+  unsigned int words[kHalfWords][C];
+};
+
+template <int C>
+__device__ __forceinline__ void load_half(HalfChunk<C>& h, const unsigned int* rows, int stride_q, bool on) {
+#pragma unroll
+  for (int i = 0; i < kHalfWords; ++i) load_streaming(h.words[i], rows + static_cast<size_t>(i) * stride_q, on);
+}
+
+// The half chunk's products, in float: half2 sums of two word rows (8 products a lane), then added in float.
+template <int C>
+__device__ __forceinline__ void dot_half(const HalfChunk<C>& h, const uint4* xs, const GroupParams<C>& g, float (&sums)[C]) {
+#pragma unroll
+  for (int i = 0; i < kHalfWords; i += 2) {
+    const uint4 x0 = xs[i], x1 = xs[i + 1];
+#pragma unroll
+    for (int j = 0; j < C; ++j)
+      sums[j] += sum_half2(dot_word(h.words[i + 1][j], x1, g.zero1[j], g.zero16[j],
+                                    dot_word(h.words[i][j], x0, g.zero1[j], g.zero16[j], 0u)));
+  }
+}
+
+// grid (ceil(n / (32 C)), blocks along K); dynamic shared memory: chunks_per_block * 16 * 16 bytes; at most
+// 16 chunks a block. kMinBlocks: the blocks an SM must hold at once (2 caps registers at 128 a thread).
+// Requires k % 128 == 0, n % 4 == 0, group_rows % 128 == 0 or >= k, 16-byte aligned rows of qweight and scales,
+// 4-byte aligned rows of zeros, 16-byte aligned x.
+template <typename T, int C, int kMinBlocks>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
+    const T* __restrict__ x, const unsigned int* __restrict__ qweight, const float* __restrict__ scales,
+    const unsigned char* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
+    float* __restrict__ parts, int* __restrict__ locks, int n, int k, int group_rows, int chunks_per_block,
+    int stride_q, int stride_s, int stride_z, int has_bias) {
+  extern __shared__ uint4 xs[];  // per word row of the block's rows: x as the 4 half2 pairs dot_word takes
+  constexpr int kCols = 32 * C;  // the block's columns
+  __shared__ float partial[kWarps][kCols];
+  __shared__ float block_max[kWarps];
+  __shared__ int is_last;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunk0 = blockIdx.y * chunks_per_block;
+  const int chunks = min(chunks_per_block, k / kChunkRows - chunk0);
+  const int words = chunks * kChunkWords;
+  const T* xb = x + chunk0 * kChunkRows;
+  const int col = blockIdx.x * kCols + lane * C;
+  const bool col_ok = col < n;
+  // Past N a lane reads column 0 (always there) and its sums are never stored.
+  const unsigned int* q_col = qweight + (col_ok ? col : 0);
+  const float* s_col = scales + (col_ok ? col : 0);
+  const unsigned char* z_col = zeros + (col_ok ? col : 0);
+  auto chunk_rows = [&](int c) { return q_col + static_cast<size_t>((chunk0 + c) * kChunkWords) * stride_q; };
+  auto group_of = [&](int c) { return static_cast<size_t>((chunk0 + c) * kChunkRows / group_rows); };
+
+  // 1. The first chunk's weights are requested before anything else; meanwhile the block's rows of x are
+  //    scaled by 2^-e (the largest |x| below 1) into shared memory.
+  HalfChunk<C> first = {}, second = {};
+  const int c0 = min(warp, chunks - 1);  // a warp without chunks loads nothing and computes nothing
+  load_half(first, chunk_rows(c0), stride_q, warp < chunks);
+  load_half(second, chunk_rows(c0) + static_cast<size_t>(kHalfWords) * stride_q, stride_q, warp < chunks);
+  float scale[C];
+  unsigned int zeros_packed;
+  load_scales<C>(scale, zeros_packed, s_col + group_of(c0) * stride_s, z_col + group_of(c0) * stride_z);
+  float v[8];  // thread r holds x's word row r (chunks_per_block <= 16: one row a thread at most)
+  float m = 0.0f;
+  if (threadIdx.x < words) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(xb + threadIdx.x * 8);
+    const unsigned int packed[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[2 * j] = T{static_cast<unsigned short>(packed[j] & 0xFFFF)}.value();
+      v[2 * j + 1] = T{static_cast<unsigned short>(packed[j] >> 16)}.value();
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
+  }
+  m = warp_max(m);
+  if (lane == 0) block_max[warp] = m;
+  __syncthreads();
+  m = block_max[0];
+  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, block_max[w]);
+  const int biased = (__float_as_uint(m) >> 23) & 0xFF;  // m = f * 2^e, f in [0.5, 1): e = biased - 126
+  const int e = biased == 0 ? 0 : min(max(biased - 126, -120), 120);
+  const float down = __uint_as_float(static_cast<unsigned int>(127 - e) << 23);  // 2^-e
+  const float up = __uint_as_float(static_cast<unsigned int>(127 + e) << 23);    // 2^e
+  if (threadIdx.x < words) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] *= down;
+    xs[threadIdx.x] = make_uint4(half2_of(v[0], v[4]), half2_of(v[1] * 0.0625f, v[5] * 0.0625f), half2_of(v[2], v[6]),
+                                 half2_of(v[3] * 0.0625f, v[7] * 0.0625f));
+  }
+  __syncthreads();
+
+  // 2. Each warp's chunks (c = warp, warp + 8, ...), a half chunk computed while the next one's loads fly.
+  float acc[C] = {};
+  for (int c = warp; c < chunks; c += kWarps) {
+    const bool more = c + kWarps < chunks;
+    const int next = more ? c + kWarps : c;
+    GroupParams<C> g;
+#pragma unroll
+    for (int j = 0; j < C; ++j) {
+      const float z = static_cast<float>((zeros_packed >> (8 * j)) & 0xFF);
+      g.scale[j] = scale[j];
+      g.zero1[j] = half2_of(1024.0f + z, 1024.0f + z);
+      g.zero16[j] = half2_of(1024.0f + 16.0f * z, 1024.0f + 16.0f * z);
+    }
+    float sums[C] = {};
+    dot_half(first, xs + c * kChunkWords, g, sums);
+    load_half(first, chunk_rows(next), stride_q, more);
+    load_scales<C>(scale, zeros_packed, s_col + group_of(next) * stride_s, z_col + group_of(next) * stride_z);
+    dot_half(second, xs + c * kChunkWords + kHalfWords, g, sums);
+    load_half(second, chunk_rows(next) + static_cast<size_t>(kHalfWords) * stride_q, stride_q, more);
+#pragma unroll
+    for (int j = 0; j < C; ++j) acc[j] += sums[j] * g.scale[j];
+  }
+
+  // 3. The block's sums (warps added in order), then the output or this block's partial sums.
+#pragma unroll
+  for (int j = 0; j < C; ++j) partial[warp][lane * C + j] = acc[j];
+  __syncthreads();
+  const int out_col = blockIdx.x * kCols + threadIdx.x;
+  const bool writes = threadIdx.x < kCols && out_col < n;
+  float total = 0.0f;
+  if (writes) {
+    for (int w = 0; w < kWarps; ++w) total += partial[w][threadIdx.x];
+    total *= up;
+  }
+  if (gridDim.y == 1) {
+    if (writes) out[out_col] = T::round(has_bias ? total + bias[out_col].value() : total);
+    return;
+  }
+  if (writes) parts[static_cast<size_t>(blockIdx.y) * n + out_col] = total;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&locks[blockIdx.x], 1) == static_cast<int>(gridDim.y) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (writes) {
+    float sum = 0.0f;
+    for (int s = 0; s < static_cast<int>(gridDim.y); ++s) sum += __ldcg(parts + static_cast<size_t>(s) * n + out_col);
+    out[out_col] = T::round(has_bias ? sum + bias[out_col].value() : sum);
+  }
+  if (threadIdx.x == 0) locks[blockIdx.x] = 0;  // ready for the next call
+}
+
+}  // namespace w4a16

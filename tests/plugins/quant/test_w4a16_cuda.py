@@ -1,0 +1,100 @@
+"""The CUDA one-row 4-bit GEMV (runtime_quant.w4a16_cuda) against the float32 reference.
+
+GPU only: the kernel is CUDA C compiled by NVRTC. Shapes cover one and several 128-row chunks
+per block, blocks along K (the partial sums and the last block's ordered sum), N not a multiple
+of the 128-column block, groups of 128 and 256 rows and one group, bias, both 16-bit dtypes,
+activations far outside half's range (the power-of-two scaling), CUDA-graph replays (the
+counters reset themselves), and the routing of one-row calls through the Triton entry point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from test_wna16_kernels import make_layer
+from runtime_quant.wna16_kernels import dequant_matmul
+
+pytestmark = pytest.mark.gpu
+
+
+def _reference(layer, scheme, x, bias):
+    return dequant_matmul(layer, scheme, x.float(), None if bias is None else bias.float())
+
+
+@pytest.fixture(autouse=True)
+def _kernel_compiles():
+    if not torch.cuda.is_available():
+        pytest.fail("a gpu test ran without a GPU")
+    from runtime_quant import w4a16_cuda
+
+    assert w4a16_cuda._kernels(torch.cuda.current_device()) is not None, "the CUDA GEMV did not compile"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,group,chunks", [
+    (128, 72, 128, 8),      # one chunk, one block along K, a partial column block
+    (1024, 200, 128, 8),    # 8 chunks: one per warp
+    (1024, 200, 128, 3),    # 3 blocks along K, the last short
+    (4096, 200, 128, 16),   # two chunks a warp: the next chunk's loads during this one
+    (4096, 6144, 128, 8),   # Llama-3-8B qkv
+    (14336, 512, 128, 8),   # down's K: 14 blocks along K
+    (2048, 136, 256, 2),    # groups of two chunks
+    (640, 96, -1, 2),       # one group
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cuda_gemv_matches_reference(dtype, k, n, group, chunks, with_bias):
+    from runtime_quant import w4a16_cuda
+    from runtime_quant.wna16_gpu import _locks
+
+    layer, scheme = make_layer(4, group, k, n, device="cuda", seed=k + n)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dtype).cuda()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype).cuda() if with_bias else None
+    assert w4a16_cuda.supports(layer, 4, x)
+    expected = _reference(layer, scheme, x, bias)
+    for variant in w4a16_cuda.VARIANTS:
+        variant = dataclasses.replace(variant, chunks_per_block=chunks)
+        for _ in range(2):  # the second call finds the counters reset
+            out = w4a16_cuda.gemv(layer, x, bias, _locks(x.device), variant)
+            assert out.dtype == dtype and out.shape == (1, n)
+            torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("magnitude", [1e-6, 1e4, 3e6])
+def test_cuda_gemv_scales_activations_of_any_range(magnitude):
+    """bfloat16 activations whose products and sums would overflow (or underflow) half."""
+    from runtime_quant import w4a16_cuda
+    from runtime_quant.wna16_gpu import _locks
+
+    layer, scheme = make_layer(4, 128, 1024, 256, device="cuda", seed=5)
+    x = (torch.randn(1, 1024, generator=torch.Generator().manual_seed(5)) * magnitude).to(torch.bfloat16).cuda()
+    expected = _reference(layer, scheme, x, None)
+    variant = dataclasses.replace(w4a16_cuda.DEFAULT, chunks_per_block=2)
+    out = w4a16_cuda.gemv(layer, x, None, _locks(x.device), variant).float()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+
+
+def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
+    from runtime_quant import w4a16_cuda, wna16_gpu
+
+    layer, scheme = make_layer(4, 128, 4096, 1024, device="cuda", seed=9)
+    x = torch.zeros(1, 4096, dtype=torch.bfloat16, device="cuda")
+    calls = []
+    original = w4a16_cuda.gemv
+    w4a16_cuda.gemv = lambda *args, **kw: calls.append(1) or original(*args, **kw)
+    try:
+        wna16_gpu.triton_wna16(layer, scheme, x, None)  # eager first: compiled and warmed outside the capture
+        assert calls, "a one-row bfloat16 call did not take the CUDA GEMV"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = wna16_gpu.triton_wna16(layer, scheme, x, None)
+    finally:
+        w4a16_cuda.gemv = original
+    for seed in range(3):
+        x.copy_(torch.randn(1, 4096, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16))
+        graph.replay()
+        expected = _reference(layer, scheme, x, None)
+        torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
