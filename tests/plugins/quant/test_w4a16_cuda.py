@@ -98,3 +98,39 @@ def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
         graph.replay()
         expected = _reference(layer, scheme, x, None)
         torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, monkeypatch):
+    """A GPTQ 4-bit model in bfloat16, one sequence at a time (every decode step is batch 1), with
+    K multiples of 128: its projections run the CUDA GEMV, and the greedy tokens and logprobs stay
+    within bfloat16 rounding of transformers' model with the dequantized weights (compared until
+    the first differing token)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from wna16_checkpoints import dequantized_reference, write_gptq_checkpoint
+
+    from runtime import LLM, SamplingParams
+    from runtime.testing.reference import check_logprobs_close_until_divergence, hf_greedy, make_prompts
+    from runtime_quant import w4a16_cuda
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=32, max_position_embeddings=256,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path / "float"))
+    path, real = write_gptq_checkpoint(str(tmp_path / "float"), str(tmp_path / "gptq"), 4, 128)
+    reference = dequantized_reference(str(tmp_path / "float"), real).to(torch.bfloat16).cuda()
+    prompts = make_prompts()[:3]
+    expected = hf_greedy(reference, prompts, 16)
+    del reference
+    calls = []
+    original = w4a16_cuda.gemv
+    monkeypatch.setattr(w4a16_cuda, "gemv", lambda *args, **kw: calls.append(1) or original(*args, **kw))
+    llm = LLM(path, platform="cuda", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=not graphs,
+              cuda_graph_sizes=[1, 2, 4], kv_cache_memory_bytes=64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5, detokenize=False)
+    for prompt, (ref_tokens, ref_steps) in zip(prompts, expected):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        check_logprobs_close_until_divergence(ref_tokens, ref_steps, out.token_ids, out.logprobs, atol=0.1,
+                                              label="gptq 4-bit bf16 batch 1")
+    assert calls, "no projection took the CUDA GEMV"
