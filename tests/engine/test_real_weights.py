@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from runtime import LLM, SamplingParams
+from runtime.model_loader.gguf_reader import shared_gguf_readers
 
 from runtime.testing.reference import check_outputs_equal, hf_greedy
 
@@ -43,7 +44,8 @@ def test_greedy_matches_transformers_on_gguf(model):
     # The tokenizer converted from the GGUF by transformers gives the same ids.
     prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert [o.prompt_token_ids for o in outputs] == prompt_ids
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
+    with shared_gguf_readers():  # the file parsed once in this process (~15 s for Gemma's vocabulary)
+        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
     expected = hf_greedy(hf, prompt_ids, NUM_NEW_TOKENS)
     del hf
     check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], name)

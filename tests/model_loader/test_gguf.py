@@ -24,8 +24,11 @@ def transformers_reference(resolved) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from runtime.model_loader.gguf_reader import shared_gguf_readers
+
     model = AutoModelForCausalLM.from_config(copy.deepcopy(resolved.hf_config), dtype=torch.float32).eval()
-    tensors = load_gguf_checkpoint(resolved.gguf_file, return_tensors=True, model_to_load=model)["tensors"]
+    with shared_gguf_readers():  # the file parsed once in this process (~15 s for Gemma's vocabulary)
+        tensors = load_gguf_checkpoint(resolved.gguf_file, return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head
     return model

@@ -12,7 +12,7 @@ import pytest
 import torch
 from support.counting import counted
 from support.paged_batch import PagedRunner
-from runtime.testing.models import build_tiny_model
+from runtime.testing.models import build_untokenized_model
 
 from runtime.model_loader import load_model, resolve_model
 from runtime.models.ops import CUSTOM_OPS, custom_ops_scope
@@ -59,7 +59,7 @@ def run_schedule(model, vocab_size: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_fused_model_matches_plain_model(arch, kernel_device, tmp_path):
-    resolved = resolve_model(build_tiny_model(arch, tmp_path))
+    resolved = resolve_model(build_untokenized_model(arch, tmp_path))
     plain = load_model(resolved, dtype=torch.float32, device=kernel_device)
     calls: dict[str, int] = {}
     with custom_ops_scope(counted(kernel_ops(), calls)):
@@ -75,7 +75,7 @@ def test_fused_model_matches_plain_model(arch, kernel_device, tmp_path):
 
 def test_norm_kernel_without_fused_add(kernel_device, tmp_path):
     """A platform with ``rms_norm`` only: the residual add, rotary and MLP stay in torch."""
-    resolved = resolve_model(build_tiny_model("qwen3", tmp_path))
+    resolved = resolve_model(build_untokenized_model("qwen3", tmp_path))
     plain = load_model(resolved, dtype=torch.float32, device=kernel_device)
     calls: dict[str, int] = {}
     ops = {"rms_norm": kernel_ops()["rms_norm"]}
@@ -92,7 +92,7 @@ def test_one_row_steps_use_gemv_in_bfloat16(kernel_device, tmp_path):
     """A batch-1 decode in bfloat16 runs every linear layer (and the logits) through gemv."""
     from runtime_kernels.gemv import gemv
 
-    resolved = resolve_model(build_tiny_model("llama", tmp_path))
+    resolved = resolve_model(build_untokenized_model("llama", tmp_path))
     plain = load_model(resolved, dtype=torch.bfloat16, device=kernel_device)
     calls: dict[str, int] = {}
     with custom_ops_scope(counted({"gemv": gemv}, calls)):
