@@ -61,15 +61,15 @@ class _Stream:
 
 
 @functools.cache
-def _kernels(device_index: int) -> dict[tuple[torch.dtype, int, int], Any] | None:
-    """The kernel per (activation dtype, columns a lane, min blocks), compiled and loaded for this GPU,
-    or None (logged once)."""
+def kernels(device_index: int, columns: int = DEFAULT.columns,
+            min_blocks: int = DEFAULT.min_blocks) -> dict[torch.dtype, Any] | None:
+    """One variant's kernel per activation dtype, compiled and loaded for this GPU (only the variants
+    used are compiled; CuPy keeps the binaries on disk for later starts), or None (logged once)."""
     try:
         import cupy
 
         source = (files("runtime_quant") / "w4a16_gemv.cu").read_text()
-        names = {(dtype, v.columns, v.min_blocks): f"w4a16::gemv<{name}, {v.columns}, {v.min_blocks}>"
-                 for dtype, name in KERNEL_TYPES.items() for v in VARIANTS}
+        names = {dtype: f"w4a16::gemv<{name}, {columns}, {min_blocks}>" for dtype, name in KERNEL_TYPES.items()}
         with cupy.cuda.Device(device_index):
             module = cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=list(names.values()))
             return {dtype: module.get_function(name).kernel for dtype, name in names.items()}
@@ -100,7 +100,7 @@ def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor) -> bool:
         and n % 4 == 0
         and x.is_contiguous() and x.data_ptr() % 16 == 0
         and _aligned(layer.qweight, 16) and _aligned(layer.scales, 16) and _aligned(layer.zeros, 4)
-        and _kernels(x.device.index if x.device.index is not None else torch.cuda.current_device()) is not None
+        and kernels(x.device.index if x.device.index is not None else torch.cuda.current_device()) is not None
     )
 
 
@@ -125,7 +125,7 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
         np.int32(n), np.int32(k), np.int32(min(layer.quant_group_rows, k)), np.int32(chunks_per_block),
         np.int32(qweight.stride(0)), np.int32(scales.stride(0)), np.int32(zeros.stride(0)), np.int32(bias is not None),
     )
-    kernel = _kernels(x.device.index)[(x.dtype, variant.columns, variant.min_blocks)]
+    kernel = kernels(x.device.index, variant.columns, variant.min_blocks)[x.dtype]
     kernel(grid, (THREADS,), args, shared_mem=chunks_per_block * CHUNK_ROWS * 2,
            stream=_Stream(torch.cuda.current_stream(x.device).cuda_stream))
     return out

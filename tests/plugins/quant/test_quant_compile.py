@@ -1,9 +1,12 @@
 """The 4/8-bit GPU kernels compile for an H100 (sm_90), checked without a GPU (the interpreter
-misses compile-time errors): ``quant_aot.py`` in a subprocess, as ``tests/kernels`` does."""
+misses compile-time errors): the Triton ones through ``quant_aot.py`` in a subprocess, as
+``tests/kernels`` does; the CUDA one through nvcc, where it is installed."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 
 import pytest
 from support.aot import run_aot_script
@@ -13,3 +16,26 @@ pytest.importorskip("triton")
 
 def test_quant_kernels_compile_for_sm90():
     run_aot_script(os.path.join(os.path.dirname(__file__), "quant_aot.py"), "all quant kernels compiled for sm_90")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+def test_cuda_gemv_compiles_for_sm90_without_spills(tmp_path):
+    """Every variant of the CUDA one-row 4-bit GEMV (both activation dtypes) compiles for sm_90, and
+    ptxas keeps it in registers: a spill would put the weights in flight into local memory."""
+    from runtime_quant import w4a16_cuda
+
+    source = tmp_path / "instances.cu"
+    lines = [f'#include "{os.path.join(os.path.dirname(w4a16_cuda.__file__), "w4a16_gemv.cu")}"']
+    for name in w4a16_cuda.KERNEL_TYPES.values():
+        for v in w4a16_cuda.VARIANTS:
+            lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}>(const {name}*, "
+                         "const unsigned int*, const float*, const unsigned char*, const " + name + "*, " + name + "*, "
+                         "float*, int*, int, int, int, int, int, int, int, int);")
+    source.write_text("\n".join(lines) + "\n")
+    result = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                             str(source)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    compiled = [line for line in result.stderr.splitlines() if "Compiling entry function" in line]
+    assert len(compiled) == len(w4a16_cuda.KERNEL_TYPES) * len(w4a16_cuda.VARIANTS), result.stderr
+    spills = [line for line in result.stderr.splitlines() if "spill" in line]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), result.stderr

@@ -30,7 +30,8 @@ def _kernel_compiles():
         pytest.fail("a gpu test ran without a GPU")
     from runtime_quant import w4a16_cuda
 
-    assert w4a16_cuda._kernels(torch.cuda.current_device()) is not None, "the CUDA GEMV did not compile"
+    for v in w4a16_cuda.VARIANTS:
+        assert w4a16_cuda.kernels(torch.cuda.current_device(), v.columns, v.min_blocks) is not None, f"{v} did not compile"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
