@@ -81,6 +81,17 @@ class QuantMethod(Protocol):
     # Optional: ``packs_gguf_by_default(gguf_file, dtype, platform, tensor_parallel_size,
     # pipeline_parallel_size) -> str | None``: a reason to load a GGUF file through this method
     # when no ``--quantization`` is given (None: dequantize at load); see default_gguf_method.
+    # Optional: ``supports_tensor_parallel = True``: its linear methods load each rank's part of a
+    # checkpoint tensor through ``layer.rank_part(tensor, shard, out_dim, out_unit, in_dim, in_unit)``
+    # (:meth:`runtime.models.linear.Linear.rank_part`), so layers may be split over ranks. Without
+    # it, tensor_parallel_size > 1 is refused for the method.
+
+
+def supports_tensor_parallel(name: str) -> bool:
+    """Whether quant method ``name`` splits its layers over tensor-parallel ranks."""
+    from runtime.plugins import get_registry
+
+    return bool(getattr(get_registry("quant_method").create(name), "supports_tensor_parallel", False))
 
 
 def detect_quant_method(quantization_config: dict[str, Any] | None) -> str | None:

@@ -18,10 +18,14 @@ def config(tp: int = 1, pp: int = 1, quantization: str | None = None, speculativ
     )
 
 
-def test_quantized_linears_are_not_split_across_tensor_parallel_ranks():
-    with pytest.raises(ValueError, match="quantization 'fp8' with tensor_parallel_size 2 is not supported"):
-        check_parallel_support(config(tp=2, quantization="fp8"))
-    check_parallel_support(config(pp=2, quantization="fp8"))  # whole layers per stage: fine
+def test_quant_methods_that_cannot_split_their_layers_are_refused_at_tensor_parallel():
+    """GGUF blocks are not split over ranks: refused, naming the method; the 8-bit and weight-only
+    methods split theirs (tests/plugins/quant/test_quant_tensor_parallel.py)."""
+    with pytest.raises(ValueError, match="quantization 'gguf' with tensor_parallel_size 2 is not supported"):
+        check_parallel_support(config(tp=2, quantization="gguf"))
+    check_parallel_support(config(pp=2, quantization="gguf"))  # whole layers per stage: fine
+    for name in ("fp8", "int8", "gptq", "awq", "compressed-tensors"):
+        check_parallel_support(config(tp=2, quantization=name))
 
 
 def test_speculative_decoding_is_refused_with_pipeline_stages():

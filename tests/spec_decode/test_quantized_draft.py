@@ -66,9 +66,13 @@ def test_fp8_draft_of_the_same_fp8_target_is_always_accepted(checkpoints):
     gc.collect()
 
 
-def test_quantized_draft_with_tensor_parallelism_is_refused(checkpoints):
+def test_quantized_draft_that_cannot_be_split_is_refused_at_tensor_parallel(checkpoints, monkeypatch):
+    """A draft whose quant method does not split its layers over ranks (GGUF's blocks; here fp8
+    made to say so) is refused at tensor_parallel_size 2, naming the method."""
+    import runtime.quantization
     from runtime_spec_decode.draft_model import DraftModelProposer
 
     fp8 = checkpoints[1]
+    monkeypatch.setattr(runtime.quantization, "supports_tensor_parallel", lambda name: name != "fp8")
     with pytest.raises(ValueError, match=r"draft model .* is quantized \('fp8'\) and tensor_parallel_size is 2"):
         DraftModelProposer(fp8, SimpleNamespace(vocab_size=UNTOKENIZED_VOCAB_SIZE), tensor_parallel_size=2)

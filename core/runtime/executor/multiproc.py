@@ -18,6 +18,7 @@ import time
 from runtime.config import EngineConfig
 from runtime.executor import worker_proc
 from runtime.executor.broadcast import BroadcastExecutor, WorkerSocket
+from runtime.quantization import supports_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,11 @@ def check_parallel_support(config: EngineConfig) -> None:
             "the stages hand over one sampled token per request; use tensor_parallel_size instead"
         )
     quantization = config.model_config.quantization
-    if quantization and parallel.tensor_parallel_size > 1:
+    if quantization and parallel.tensor_parallel_size > 1 and not supports_tensor_parallel(quantization):
         raise ValueError(
             f"quantization {quantization!r} with tensor_parallel_size {parallel.tensor_parallel_size} is not supported: "
-            "quantized linear layers are not split across ranks yet; use tensor_parallel_size 1 or an unquantized checkpoint"
+            "its quantized linear layers are not split across ranks; use tensor_parallel_size 1, another "
+            "quantization, or an unquantized checkpoint"
         )
 
 

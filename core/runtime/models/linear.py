@@ -110,6 +110,29 @@ class Linear(nn.Linear):
         param = getattr(self, param_name)
         copy_part(param, tensor, tuple(param.shape), 0, 0)
 
+    def rank_part(self, tensor: torch.Tensor, shard: int | None = None, out_dim: int | None = None, out_unit: int = 1,
+                  in_dim: int | None = None, in_unit: int = 1) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor of the layer (or of projection ``shard`` of a
+        fused one) in a quantized layout, for its linear method: ``out_dim`` / ``in_dim`` are the
+        tensor's dimensions along the output / input features (None: it does not span them),
+        ``out_unit`` / ``in_unit`` the features per index there (codes per packed word, rows per
+        group or block). The whole tensor on a replicated layer; raises ValueError naming the
+        dimension when it cannot be split evenly."""
+        return tensor
+
+    def _split(self, tensor: torch.Tensor, dim: int | None, unit: int, rank_features: int, parts: int, index: int,
+               what: str) -> torch.Tensor:
+        if dim is None or parts == 1:
+            return tensor
+        if rank_features % unit:
+            raise ValueError(f"cannot be split over {self.tp_size} ranks: each rank's {rank_features} {what} features "
+                             f"are not a multiple of {unit} (the features per index of dimension {dim})")
+        size = rank_features // unit
+        if tensor.shape[dim] != size * parts:
+            raise ValueError(f"has {tensor.shape[dim]} along dimension {dim}, expected {size * parts} "
+                             f"({size * unit * parts} {what} features / {unit})")
+        return tensor.narrow(dim, index * size, size)
+
 
 class ColumnParallelLinear(Linear):
     """Each rank holds ``out_features / tp`` consecutive output rows; the output stays split."""
@@ -121,6 +144,10 @@ class ColumnParallelLinear(Linear):
         param = getattr(self, param_name)
         rows = param.shape[0]
         copy_part(param, tensor, (rows * self.tp_size, *param.shape[1:]), 0, self.tp_rank * rows)
+
+    def rank_part(self, tensor: torch.Tensor, shard: int | None = None, out_dim: int | None = None, out_unit: int = 1,
+                  in_dim: int | None = None, in_unit: int = 1) -> torch.Tensor:
+        return self._split(tensor, out_dim, out_unit, self.out_features, self.tp_size, self.tp_rank, "output")
 
 
 class RowParallelLinear(Linear):
@@ -153,6 +180,10 @@ class RowParallelLinear(Linear):
             return super().load_param(param_name, tensor)
         cols = param.shape[1]
         copy_part(param, tensor, (param.shape[0], cols * self.tp_size), 1, self.tp_rank * cols)
+
+    def rank_part(self, tensor: torch.Tensor, shard: int | None = None, out_dim: int | None = None, out_unit: int = 1,
+                  in_dim: int | None = None, in_unit: int = 1) -> torch.Tensor:
+        return self._split(tensor, in_dim, in_unit, self.in_features, self.tp_size, self.tp_rank, "input")
 
 
 class MergedLinear(Linear):
@@ -191,6 +222,13 @@ class MergedLinear(Linear):
                 f"checkpoint shard {shard!r} of {param_name} has shape {tuple(tensor.shape)}, expected {expected}"
             )
         target.copy_(tensor.narrow(0, self.shard_index[shard] * size, size))
+
+    def rank_part(self, tensor: torch.Tensor, shard: int | None = None, out_dim: int | None = None, out_unit: int = 1,
+                  in_dim: int | None = None, in_unit: int = 1) -> torch.Tensor:
+        name = list(self.shard_offsets)[shard or 0]
+        _, size = self.shard_offsets[name]
+        return self._split(tensor, out_dim, out_unit, size, self.tp_size // self.replicas[name], self.shard_index[name],
+                           f"{name!r} output")
 
 
 def vocab_shard(vocab_size: int) -> tuple[int, int]:
@@ -246,3 +284,10 @@ class ParallelLMHead(Linear):
         if self.tp_size == 1:
             return super().load_param(param_name, tensor)
         load_vocab_rows(self.weight, tensor, self.vocab_start, self.vocab_size)
+
+    def rank_part(self, tensor: torch.Tensor, shard: int | None = None, out_dim: int | None = None, out_unit: int = 1,
+                  in_dim: int | None = None, in_unit: int = 1) -> torch.Tensor:
+        if self.tp_size > 1 and out_dim is not None:
+            raise ValueError(f"is part of a quantized output layer, which is not split over {self.tp_size} ranks "
+                             "(its padded vocabulary slices); use tensor_parallel_size 1")
+        return tensor

@@ -24,6 +24,8 @@ def detect(quantization_config: dict | None) -> bool:
 class AwqMethod:
     """:class:`runtime.quantization.QuantMethod` ``awq``."""
 
+    supports_tensor_parallel = True  # its layers load each rank's part (Linear.rank_part)
+
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> WNA16Config:
         config = needs_checkpoint("awq", quantization_config)
         bits = config.get("bits", config.get("w_bit"))

@@ -121,6 +121,8 @@ class CompressedTensorsConfig:
 class CompressedTensorsMethod:
     """:class:`runtime.quantization.QuantMethod` ``compressed-tensors``."""
 
+    supports_tensor_parallel = True  # its layers load each rank's part (Linear.rank_part)
+
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> CompressedTensorsConfig:
         if not quantization_config or not quantization_config.get("config_groups"):
             raise ValueError(

@@ -61,6 +61,8 @@ def checkpoint_scheme(config: dict[str, Any]) -> W8A8Scheme:
 class Fp8Method:
     """:class:`runtime.quantization.QuantMethod` ``fp8``."""
 
+    supports_tensor_parallel = True  # its layers load each rank's part (Linear.rank_part)
+
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> W8A8Config:
         if quantization_config is None:
             return W8A8Config(fp8_online_scheme())

@@ -53,6 +53,8 @@ def needs_checkpoint(method: str, quantization_config: dict[str, Any] | None) ->
 class GptqMethod:
     """:class:`runtime.quantization.QuantMethod` ``gptq``."""
 
+    supports_tensor_parallel = True  # its layers load each rank's part (Linear.rank_part)
+
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> WNA16Config:
         config = needs_checkpoint("gptq", quantization_config)
         fmt = config.get("checkpoint_format") or "gptq"

@@ -16,6 +16,8 @@ from runtime_quant.scheme import INT8, W8A8Scheme
 class Int8Method:
     """:class:`runtime.quantization.QuantMethod` ``int8``."""
 
+    supports_tensor_parallel = True  # its layers load each rank's part (Linear.rank_part)
+
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> W8A8Config:
         if quantization_config is not None:
             raise ValueError(

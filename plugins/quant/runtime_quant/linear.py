@@ -86,6 +86,17 @@ class W8A8LinearMethod:
             f"float32 [{blocks}, {param.shape[1]}] (one scale per {s.block_size[0]}x{s.block_size[1]} block)",
         )
 
+    def _split_dims(self, name: str, tensor: torch.Tensor) -> tuple[int | None, int, int | None, int]:
+        """``(out_dim, out_unit, in_dim, in_unit)`` of a checkpoint tensor, for tensor parallelism."""
+        s = self.scheme
+        if name == "weight":
+            return 0, 1, 1, 1
+        if name == "input_scale" or s.weight_strategy == "tensor" or tensor.dim() == 0:
+            return None, 1, None, 1  # one scale: every rank takes it whole
+        if s.weight_strategy == "channel":
+            return 0, 1, None, 1
+        return 0, s.block_size[0], 1, s.block_size[1]
+
     def load(self, layer: nn.Module, name: str, tensor: torch.Tensor, shard: int | None) -> None:
         s = self.scheme
         shard = 0 if shard is None else shard
@@ -99,6 +110,7 @@ class W8A8LinearMethod:
         if name not in expected:
             raise ValueError(f"is not part of {s.describe}; expected: {', '.join(expected)}")
         target, layout = self._target(layer, name, shard)
+        tensor = layer.rank_part(tensor, shard, *self._split_dims(name, tensor))
         if tensor.numel() != target.numel() or (tensor.dim() == 2 and _shape(tensor) != _shape(target)):
             raise ValueError(f"has shape {_shape(tensor)}, expected {layout}")
         if name == "weight" and (tensor.dtype != target.dtype if not s.online else tensor.element_size() < 2):

@@ -126,6 +126,11 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
         np.int32(qweight.stride(0)), np.int32(scales.stride(0)), np.int32(zeros.stride(0)), np.int32(bias is not None),
     )
     kernel = kernels(x.device.index, variant.columns, variant.min_blocks)[x.dtype]
-    kernel(grid, (THREADS,), args, shared_mem=chunks_per_block * CHUNK_ROWS * 2,
-           stream=_Stream(torch.cuda.current_stream(x.device).cuda_stream))
+    launch = functools.partial(kernel, grid, (THREADS,), args, shared_mem=chunks_per_block * CHUNK_ROWS * 2,
+                               stream=_Stream(torch.cuda.current_stream(x.device).cuda_stream))
+    if torch.cuda.current_device() == x.device.index:
+        launch()
+    else:  # a thread whose current device is another: launch in this GPU's context
+        with torch.cuda.device(x.device):
+            launch()
     return out

@@ -26,38 +26,44 @@ FLOAT = "float"  # any floating dtype (float16, bfloat16, float32): stored as fl
 
 @dataclass(frozen=True)
 class Tensor:
-    """One checkpoint tensor of a layer: dtype kind, stacked shape, and how shards split it."""
+    """One checkpoint tensor of a layer: dtype kind, stacked shape, how shards split it, and how
+    tensor parallelism splits it along the input (row-parallel layers)."""
 
     kind: str  # INT or FLOAT
     shape: tuple[int, ...]
-    dim: int  # the dimension fused projections are stacked along
+    dim: int  # the dimension fused projections are stacked along (the output features)
     unit: int = 1  # output features per index along ``dim`` (codes per word when packed there)
     note: str = ""
+    in_dim: int | None = None  # the dimension along the input features (None: not split along them)
+    in_unit: int = 1  # input features per index along ``in_dim`` (codes per word, rows per group)
 
 
 def _layout(s: WNA16Scheme, input_size: int, out: int, shards: int) -> dict[str, Tensor]:
     groups, p = s.groups(input_size), s.pack
+    group_dim = None if s.group_size <= 0 else 0  # one group per output channel: not split along the input
     if s.layout == "gptq":
         tensors = {
-            "qweight": Tensor(INT, (input_size // p, out), 1, note="[in / pack, out], packed along in"),
-            "qzeros": Tensor(INT, (groups, out // p), 1, p, "[groups, out / pack]"),
-            "scales": Tensor(FLOAT, (groups, out), 1, note="[groups, out]"),
+            "qweight": Tensor(INT, (input_size // p, out), 1, note="[in / pack, out], packed along in", in_dim=0, in_unit=p),
+            "qzeros": Tensor(INT, (groups, out // p), 1, p, "[groups, out / pack]", group_dim, s.group_size),
+            "scales": Tensor(FLOAT, (groups, out), 1, note="[groups, out]", in_dim=group_dim, in_unit=s.group_size),
         }
         if s.act_order:
-            tensors["g_idx"] = Tensor(INT, (shards, input_size), 0, note="[in]: each input row's group")
+            tensors["g_idx"] = Tensor(INT, (shards, input_size), 0, note="[in]: each input row's group", in_dim=0)
         return tensors
     if s.layout == "awq":
         return {
-            "qweight": Tensor(INT, (input_size, out // p), 1, p, "[in, out / 8], AWQ order"),
-            "qzeros": Tensor(INT, (groups, out // p), 1, p, "[groups, out / 8], AWQ order"),
-            "scales": Tensor(FLOAT, (groups, out), 1, note="[groups, out]"),
+            "qweight": Tensor(INT, (input_size, out // p), 1, p, "[in, out / 8], AWQ order", in_dim=0),
+            "qzeros": Tensor(INT, (groups, out // p), 1, p, "[groups, out / 8], AWQ order", group_dim, s.group_size),
+            "scales": Tensor(FLOAT, (groups, out), 1, note="[groups, out]", in_dim=group_dim, in_unit=s.group_size),
         }
+    group_dim = None if group_dim is None else 1
     tensors = {
-        "weight_packed": Tensor(INT, (out, input_size // p), 0, note="[out, in / pack]"),
-        "weight_scale": Tensor(FLOAT, (out, groups), 0, note="[out, groups]"),
+        "weight_packed": Tensor(INT, (out, input_size // p), 0, note="[out, in / pack]", in_dim=1, in_unit=p),
+        "weight_scale": Tensor(FLOAT, (out, groups), 0, note="[out, groups]", in_dim=group_dim, in_unit=s.group_size),
     }
     if not s.symmetric:
-        tensors["weight_zero_point"] = Tensor(INT, (out // p, groups), 0, p, "[out / pack, groups], packed along out")
+        tensors["weight_zero_point"] = Tensor(INT, (out // p, groups), 0, p, "[out / pack, groups], packed along out",
+                                              group_dim, s.group_size)
     return tensors
 
 
@@ -95,12 +101,22 @@ class WNA16LinearMethod:
         if name == "g_idx" and not s.act_order:
             return  # groups in order (desc_act false): row k is in group k // group_size
         if name == "weight_shape" and s.layout == "compressed-tensors":
-            if [int(v) for v in tensor.flatten()] != [sizes[shard], input_size]:
+            whole = [int(v) for v in tensor.flatten()]
+            local = [sizes[shard], input_size]
+            # split over ranks: each dimension a multiple of this rank's part
+            fits = whole == local or (layer.tp_size > 1 and len(whole) == 2 and all(w % n == 0 for w, n in zip(whole, local)))
+            if not fits:
                 raise ValueError(f"is {tensor.tolist()}, expected [{sizes[shard]}, {input_size}] ([out, in])")
             return
         if name not in layout:
             raise ValueError(f"is not part of {s.describe}; expected: {', '.join(layout)}")
         t = layout[name]
+        whole = tensor
+        tensor = layer.rank_part(tensor, shard, t.dim if name != "g_idx" else None, t.unit, t.in_dim, t.in_unit)
+        if name == "g_idx" and tensor.shape != whole.shape:
+            raise ValueError(f"({s.describe}) orders the input rows by group (act-order), so the layer cannot be split "
+                             f"along its input over {layer.tp_size} ranks; use tensor_parallel_size 1 or a checkpoint "
+                             "without desc_act")
         param = getattr(layer, name)
         if name == "g_idx":
             target = param[shard]

@@ -65,15 +65,15 @@ class DraftModelProposer:
 
     def __init__(self, path: str, model_config: Any, tensor_parallel_size: int = 1):
         """``model_config``: the target's :class:`runtime.config.ModelConfig` (the draft's own is derived from it)."""
-        from runtime.quantization import select_quant_method
+        from runtime.quantization import select_quant_method, supports_tensor_parallel
 
         self.path = path
         self.resolved = resolve_draft(path, model_config.vocab_size)
         quantization = select_quant_method(None, self.resolved.hf_config)  # the checkpoint's own, if any
-        if quantization is not None and tensor_parallel_size > 1:
+        if quantization is not None and tensor_parallel_size > 1 and not supports_tensor_parallel(quantization):
             raise ValueError(
                 f"draft model {path!r} is quantized ({quantization!r}) and tensor_parallel_size is {tensor_parallel_size}: "
-                "quantized linear layers are not split across ranks yet; use an unquantized draft or tensor_parallel_size 1"
+                "its quantized linear layers are not split across ranks; use another draft or tensor_parallel_size 1"
             )
         self.model_config = dataclasses.replace(
             model_config, model=path, quantization=quantization, resolved=self.resolved,

@@ -230,3 +230,31 @@ def test_tensor_parallel_engine_greedy_tokens_match_one_gpu(tmp_path, monkeypatc
         core.shutdown()
         del llm, core
         gc.collect()
+
+
+def test_tensor_parallel_bf16_batch_1_decode_with_fused_prologues(tmp_path):
+    """bfloat16 at TP=2, one sequence at a time: every decode step is batch 1, where each rank runs
+    the norms and SiLU inside its projections' gemv (rms_norm_gemv, silu_and_mul_gemv, tested rank by
+    rank in tests/models/test_models_one_row_fusion.py) under decode graphs. Greedy tokens and
+    logprobs stay within bfloat16 rounding of transformers (compared until the first differing token)."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime import LLM, SamplingParams
+    from runtime.testing.models import build_untokenized_model
+    from runtime.testing.reference import check_logprobs_close_until_divergence, hf_greedy, make_prompts
+
+    path = build_untokenized_model("llama", tmp_path)
+    prompts = make_prompts()[:3]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()  # on the CPU: CUDA stays unstarted here
+    expected = hf_greedy(hf, prompts, 24)
+    del hf
+    llm = LLM(path, platform="cuda", dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=256 << 20,
+              cuda_graph_sizes=[1, 2, 4], tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5, detokenize=False)
+    for prompt, (ref_tokens, ref_steps) in zip(prompts, expected):
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        check_logprobs_close_until_divergence(ref_tokens, ref_steps, out.token_ids, out.logprobs, atol=0.1,
+                                              label="llama bf16 tp=2 batch 1")
+    for rank, info in enumerate(llm.llm_engine.engine_core.executor.collective_rpc("describe")):
+        assert info["decode_graph_replays"] > 0, f"rank {rank} replayed no decode graph"
+    llm.llm_engine.engine_core.shutdown()

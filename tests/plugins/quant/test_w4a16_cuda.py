@@ -101,12 +101,14 @@ def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
         torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, monkeypatch):
+@pytest.mark.parametrize("graphs,tp", [(True, 1), (False, 1), (True, 2)], ids=["graphs", "eager", "graphs-tp2"])
+def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, monkeypatch):
     """A GPTQ 4-bit model in bfloat16, one sequence at a time (every decode step is batch 1), with
-    K multiples of 128: its projections run the CUDA GEMV, and the greedy tokens and logprobs stay
-    within bfloat16 rounding of transformers' model with the dequantized weights (compared until
-    the first differing token)."""
+    K multiples of 128 (also each rank's half at TP=2): its projections run the CUDA GEMV, and the
+    greedy tokens and logprobs stay within bfloat16 rounding of transformers' model with the
+    dequantized weights (compared until the first differing token)."""
+    if tp > torch.cuda.device_count():
+        pytest.skip(f"TP={tp} needs {tp} GPUs")
     from transformers import AutoModelForCausalLM, LlamaConfig
     from wna16_checkpoints import dequantized_reference, write_gptq_checkpoint
 
@@ -120,7 +122,7 @@ def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, monkeyp
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(tmp_path / "float"))
     path, real = write_gptq_checkpoint(str(tmp_path / "float"), str(tmp_path / "gptq"), 4, 128)
-    reference = dequantized_reference(str(tmp_path / "float"), real).to(torch.bfloat16).cuda()
+    reference = dequantized_reference(str(tmp_path / "float"), real).to(torch.bfloat16)  # on the CPU
     prompts = make_prompts()[:3]
     expected = hf_greedy(reference, prompts, 16)
     del reference
@@ -128,10 +130,13 @@ def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, monkeyp
     original = w4a16_cuda.gemv
     monkeypatch.setattr(w4a16_cuda, "gemv", lambda *args, **kw: calls.append(1) or original(*args, **kw))
     llm = LLM(path, platform="cuda", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=not graphs,
-              cuda_graph_sizes=[1, 2, 4], kv_cache_memory_bytes=64 << 20)
+              cuda_graph_sizes=[1, 2, 4], kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5, detokenize=False)
     for prompt, (ref_tokens, ref_steps) in zip(prompts, expected):
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
         check_logprobs_close_until_divergence(ref_tokens, ref_steps, out.token_ids, out.logprobs, atol=0.1,
                                               label="gptq 4-bit bf16 batch 1")
-    assert calls, "no projection took the CUDA GEMV"
+    if tp == 1:  # the workers of TP=2 are other processes
+        assert calls, "no projection took the CUDA GEMV"
+    else:
+        llm.llm_engine.engine_core.shutdown()
