@@ -79,7 +79,7 @@ class EngineArgs:
     seed: int = _arg(0, "random seed for weights (dummy) and unseeded sampling")
     max_model_len: int | None = _arg(None, "maximum prompt + output length (default: the model's)")
     load_format: str = _arg("auto", "weight format", choices=LOAD_FORMATS)
-    quantization: str | None = _arg(None, "quantization method", kind="quant_method")
+    quantization: str | None = _arg(None, "quantization method", kind="quant_method", flag_aliases=("-q",))
     block_size: int = _arg(16, "tokens per KV cache block")
     enable_prefix_caching: bool = _arg(True, "reuse KV blocks of shared prompt prefixes")
     num_gpu_blocks_override: int | None = _arg(None, "number of KV cache blocks (overrides memory sizing)")
@@ -322,8 +322,10 @@ def build_parallel_config(args: EngineArgs) -> ParallelConfig:
 
 def build_engine_config(args: EngineArgs) -> EngineConfig:
     from runtime.platforms import select_platform
+    from runtime.quantization import canonical_quant_method
 
     _check_numbers(args)
+    args.quantization = canonical_quant_method(args.quantization)
     _check_plugin_choices(args)
     speculative_config = resolve_speculative_config(args)
     kv_offload = resolve_kv_offload(args)

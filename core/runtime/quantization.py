@@ -12,11 +12,13 @@ repacks them once loading is done, and computes the layer's output.
 
 from __future__ import annotations
 
+import logging
 import os
-
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -150,6 +152,20 @@ def select_quant_method(requested: str | None, hf_config: Any) -> str | None:
 
 
 GGUF_DEQUANTIZE_ENV = "RUNTIME_GGUF_DEQUANTIZE"
+
+# vLLM's names of its kernel variants of a method (``--quantization gptq_marlin``): here that
+# method, whose kernels are chosen per layer and device.
+VLLM_KERNEL_NAMES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+
+
+def canonical_quant_method(name: str | None) -> str | None:
+    """``--quantization``'s value with vLLM's kernel-variant names (``gptq_marlin``, ``awq_marlin``)
+    read as their method (``gptq``, ``awq``), logged once; other names unchanged."""
+    if name not in VLLM_KERNEL_NAMES:
+        return name
+    logger.info("--quantization %s: vLLM's %s kernels; here %s, which picks its kernels per layer and device",
+                name, name.partition("_")[2].capitalize(), VLLM_KERNEL_NAMES[name])
+    return VLLM_KERNEL_NAMES[name]
 
 
 def default_gguf_method(gguf_file: str, dtype: torch.dtype, platform: Any, tensor_parallel_size: int = 1,

@@ -90,6 +90,17 @@ def test_detected_from_quantization_config_and_flag_agrees(gptq_checkpoint, floa
         load(awq, quantization="gptq")
 
 
+def test_vllm_kernel_names_select_their_method(gptq_checkpoint, float_checkpoint, tmp_path):
+    """``--quantization gptq_marlin`` / ``awq_marlin`` (vLLM's Marlin kernels) load as gptq / awq."""
+    from runtime import LLM
+
+    awq = write_awq_checkpoint(float_checkpoint, str(tmp_path / "awq"), 32)[0]
+    for path, flag, method in ((gptq_checkpoint, "gptq_marlin", "gptq"), (awq, "awq_marlin", "awq")):
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, quantization=flag, kv_cache_memory_bytes=16 << 20)
+        assert llm.llm_engine.config.model_config.quantization == method
+        del llm
+
+
 def _transpose(name):
     return lambda s: s.__setitem__(name, s[name].t().contiguous())
 
