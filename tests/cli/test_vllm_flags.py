@@ -17,6 +17,7 @@ def test_vllm_flags_reach_the_engine_arguments():
     args = parse_serve(
         "-tp", "2", "-pp", "3", "-dp", "4", "--served-model-name", "a", "b", "--trust-remote-code", "--tokenizer-mode", "slow",
         "--max-logprobs", "7", "--generation-config", "vllm", "--disable-log-stats", "--chat-template", "x.jinja",
+        "-q", "gptq_marlin",
     )
     engine_args = engine_args_from_namespace(args, model=args.model_tag)
     assert (engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size, engine_args.data_parallel_size) == (2, 3, 4)
@@ -27,6 +28,7 @@ def test_vllm_flags_reach_the_engine_arguments():
     assert engine_args.generation_config == "vllm"
     assert engine_args.disable_log_stats is True
     assert engine_args.chat_template == "x.jinja"
+    assert engine_args.quantization == "gptq_marlin"  # read as gptq when the engine is built (test_wna16_bad_input.py)
 
 
 def test_defaults_match_vllm():
