@@ -19,13 +19,18 @@ def config(tp: int = 1, pp: int = 1, quantization: str | None = None, speculativ
 
 
 def test_quant_methods_that_cannot_split_their_layers_are_refused_at_tensor_parallel():
-    """GGUF blocks are not split over ranks: refused, naming the method; the 8-bit and weight-only
-    methods split theirs (tests/plugins/quant/test_quant_tensor_parallel.py)."""
-    with pytest.raises(ValueError, match="quantization 'gguf' with tensor_parallel_size 2 is not supported"):
-        check_parallel_support(config(tp=2, quantization="gguf"))
-    check_parallel_support(config(pp=2, quantization="gguf"))  # whole layers per stage: fine
-    for name in ("fp8", "int8", "gptq", "awq", "compressed-tensors"):
+    """The quant plugin's methods split their layers over ranks (tests/plugins/quant/test_quant_tensor_parallel.py);
+    a method that does not say so (``supports_tensor_parallel``: the CPU plugin's int4_weight_only) is
+    refused, naming it."""
+    from runtime.quantization import supports_tensor_parallel
+
+    for name in ("fp8", "int8", "gptq", "awq", "compressed-tensors", "gguf"):
+        assert supports_tensor_parallel(name), name
         check_parallel_support(config(tp=2, quantization=name))
+    assert not supports_tensor_parallel("int4_weight_only")
+    with pytest.raises(ValueError, match="quantization 'int4_weight_only' with tensor_parallel_size 2 is not supported"):
+        check_parallel_support(config(tp=2, quantization="int4_weight_only"))
+    check_parallel_support(config(pp=2, quantization="int4_weight_only"))  # whole layers per stage: fine
 
 
 def test_speculative_decoding_is_refused_with_pipeline_stages():

@@ -13,9 +13,11 @@ import os
 import torch
 
 
-def write_qwen2_gguf(hf_folder: str, gguf_file) -> str:
-    """Write the qwen2 checkpoint at ``hf_folder`` to ``gguf_file`` (float32); return its path."""
-    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map
+def write_qwen2_gguf(hf_folder: str, gguf_file, linear_type=None) -> str:
+    """Write the qwen2 checkpoint at ``hf_folder`` to ``gguf_file`` (float32; with ``linear_type``, a
+    ``gguf.GGMLQuantizationType`` gguf-py can quantize (Q8_0, Q4_0 ...), the linear layers' weights in
+    its blocks); return its path."""
+    from gguf import MODEL_ARCH, GGUFWriter, get_tensor_name_map, quants
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -44,7 +46,11 @@ def write_qwen2_gguf(hf_folder: str, gguf_file) -> str:
         base, _, suffix = name.rpartition(".")
         gguf_name = name_map.get_name(base)
         assert gguf_name is not None, name
-        writer.add_tensor(f"{gguf_name}.{suffix}", tensor.to(torch.float32).numpy())
+        data = tensor.to(torch.float32).numpy()
+        if linear_type is not None and data.ndim == 2 and "embed_tokens" not in name:
+            writer.add_tensor(f"{gguf_name}.{suffix}", quants.quantize(data, linear_type), raw_dtype=linear_type)
+        else:
+            writer.add_tensor(f"{gguf_name}.{suffix}", data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

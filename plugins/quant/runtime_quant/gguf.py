@@ -11,6 +11,9 @@ The projections of a fused layer (qkv, gate_up) may have different types (Q4_K_M
 Q5_0, Q8_0, Q4_K and Q6_K): consecutive projections of one type form one *part*, computed by
 one kernel into its columns of the output.
 
+At tensor parallel each rank keeps its rows of column-parallel layers and whole blocks of inputs of
+row-parallel ones (a layer whose inputs per rank are not a multiple of the block is refused).
+
 Embeddings and norms stay dequantized, as without the flag. A linear weight of another ggml
 type (Q2_K, Q3_K, IQ*, Q5_1 ...) or an unquantized one (F32, F16, BF16) is dequantized at
 load into its part (the loader logs each quantized one by name) and the model runs.
@@ -96,6 +99,7 @@ class GgufLinearMethod:
         if ggml is None:
             raise ValueError("arrived before its qweight_type")
         t = BLOCK_TYPES.get(ggml)
+        tensor = _rank_part(layer, tensor, shard, t)
         if t is None:
             expected, ok = f"{_type_name(ggml)} [{rows}, {size}]", tensor.dtype == UNQUANTIZED[ggml]
             shape = [rows, size]
@@ -141,6 +145,16 @@ class GgufLinearMethod:
         return out if bias is None else out.add_(bias.to(out.dtype))
 
 
+def _rank_part(layer: nn.Module, tensor: torch.Tensor, shard: int, t: BlockType | None) -> torch.Tensor:
+    """This tensor-parallel rank's rows (column-parallel layers) or whole blocks of inputs (row-parallel
+    ones) of a projection's raw rows [out, bytes] (or dense weight [out, in])."""
+    if t is None or tensor.dim() != 2 or tensor.dtype != torch.uint8 or tensor.shape[1] % t.nbytes:
+        return layer.rank_part(tensor, shard, out_dim=0, in_dim=1)
+    blocks = tensor.view(tensor.shape[0], tensor.shape[1] // t.nbytes, t.nbytes)  # [out, blocks, bytes a block]
+    part = layer.rank_part(blocks, shard, out_dim=0, in_dim=1, in_unit=t.block)
+    return part.reshape(part.shape[0], -1)
+
+
 def _key(ggml: int) -> int:
     return ggml if ggml in BLOCK_TYPES else F32  # dense projections join one dense part
 
@@ -162,12 +176,6 @@ class GgufConfig:
     def linear_method(self, prefix: str) -> GgufLinearMethod:
         return GgufLinearMethod()
 
-    def verify_platform(self, platform) -> None:
-        from runtime.distributed import tp_size
-
-        if tp_size() > 1:
-            raise ValueError(f"--quantization gguf does not shard layers: tensor_parallel_size must be 1, got {tp_size()}")
-
 
 def packed_linear_types(gguf_file: str) -> set[str] | None:
     """The ggml type names of a GGUF file's linear weights (its 2-D tensors but the token
@@ -186,6 +194,8 @@ def packed_linear_types(gguf_file: str) -> set[str] | None:
 
 class GgufMethod:
     """:class:`runtime.quantization.QuantMethod` ``gguf``."""
+
+    supports_tensor_parallel = True  # rows, or whole blocks of inputs, per rank (_rank_part)
 
     def packs_gguf_by_default(self, gguf_file: str, dtype: torch.dtype, platform, tensor_parallel_size: int,
                               pipeline_parallel_size: int) -> str | None:

@@ -1,4 +1,5 @@
-"""Quantized checkpoints split over tensor-parallel ranks (real worker processes, gloo on the CPU).
+"""Quantized checkpoints split over tensor-parallel ranks (real worker processes, gloo on the CPU):
+GPTQ, AWQ, compressed-tensors, FP8 and GGUF blocks.
 
 Each rank loads its part of every packed tensor (``Linear.rank_part``): column-parallel layers
 (q/k/v, gate/up) their output columns, row-parallel ones (o, down) their input rows with the
@@ -88,6 +89,20 @@ def test_fp8_checkpoint_and_online_fp8_split_over_two_ranks(float_checkpoints, t
     one, two = run(src, 1, prompts, quantization="fp8"), run(src, 2, prompts, quantization="fp8")
     deviation = {tp: mean_deviation(expected, outputs) for tp, outputs in ((1, one), (2, two))}
     assert 0 < deviation[1] < 0.2 and deviation[2] <= 1.25 * deviation[1] + 0.01, deviation
+
+
+@pytest.mark.parametrize("linear_type", ["Q8_0", "Q4_0"])
+def test_gguf_blocks_split_over_two_ranks(float_checkpoints, tmp_path, linear_type):
+    """``--quantization gguf`` keeps a GGUF file's blocks; each rank keeps its rows of q/k/v and
+    gate/up and whole 32-input blocks of o and down: the same greedy tokens as one worker's packed
+    model and as the file dequantized at load."""
+    import gguf
+    from spec_decode.gguf_models import write_qwen2_gguf
+
+    path = write_qwen2_gguf(float_checkpoints("qwen2"), tmp_path / "tiny.gguf", gguf.GGMLQuantizationType[linear_type])
+    dequantized, one, two = run(path, 1), run(path, 1, quantization="gguf"), run(path, 2, quantization="gguf")
+    check_outputs_equal([o.token_ids for o in dequantized], [o.token_ids for o in one], f"{linear_type} packed vs dequantized")
+    check_outputs_equal([o.token_ids for o in one], [o.token_ids for o in two], f"{linear_type} tp=2 vs tp=1")
 
 
 def test_layouts_that_cannot_be_split_are_refused(float_checkpoints, tmp_path):
