@@ -143,3 +143,30 @@ def test_a_16_bit_model_computes_its_logits_with_int8_rows(arch, method, tmp_pat
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("arch, method, dtype", [("llama", "int4_weight_only", "float32"),
+                                                 ("llama", "int8_weight_only", "bfloat16"),
+                                                 ("qwen2", "int4_weight_only", "bfloat16")])
+def test_two_tensor_parallel_ranks_quantize_their_parts(arch, method, dtype, tmp_path_factory):
+    """TP=2 worker processes: each rank quantizes its part of every layer (and, in 16-bit models, its
+    vocabulary slice of the output layer; qwen2's is a copy of its embedding's). int4 groups of inputs
+    never straddle the ranks, so the codes equal one worker's; int8 rows of o/down get a scale per
+    rank. Logprobs stay close to one worker's until the first differing token."""
+    path = build_untokenized_model(arch, tmp_path_factory.mktemp(arch))
+    prompts = make_prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(path, dtype=dtype, skip_tokenizer_init=True, quantization=method, enforce_eager=True,
+                  tensor_parallel_size=tp)
+        runs.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    # The kernels compute in bfloat16 (COMPUTE_DTYPE): each rank's partial product of o/down is rounded
+    # to it before the sum, one more rounding than one worker's.
+    atol = 3 * LOGPROB_ATOL if dtype == "float32" else 0.1
+    for i, (one, two) in enumerate(zip(*runs)):
+        steps = [{token: lp.logprob for token, lp in step.items()} for step in one.logprobs]
+        check_logprobs_close_until_divergence(one.token_ids, steps, two.token_ids, two.logprobs, atol=atol,
+                                              label=f"{method} {dtype} tp=2 vs tp=1, prompt {i}")

@@ -18,19 +18,23 @@ def config(tp: int = 1, pp: int = 1, quantization: str | None = None, speculativ
     )
 
 
-def test_quant_methods_that_cannot_split_their_layers_are_refused_at_tensor_parallel():
-    """The quant plugin's methods split their layers over ranks (tests/plugins/quant/test_quant_tensor_parallel.py);
-    a method that does not say so (``supports_tensor_parallel``: the CPU plugin's int4_weight_only) is
-    refused, naming it."""
+def test_quant_methods_that_cannot_split_their_layers_are_refused_at_tensor_parallel(monkeypatch):
+    """Every installed method splits its layers over ranks (tests/plugins/quant/test_quant_tensor_parallel.py,
+    tests/cpu_fast/test_weight_only.py); one that does not say so (``supports_tensor_parallel``, a
+    third party's) is refused, naming it."""
+    import runtime.executor.multiproc as multiproc
+    from runtime.plugins import get_registry
     from runtime.quantization import supports_tensor_parallel
 
-    for name in ("fp8", "int8", "gptq", "awq", "compressed-tensors", "gguf"):
+    names = set(get_registry("quant_method").names())
+    assert {"fp8", "int8", "gptq", "awq", "compressed-tensors", "gguf", "int4_weight_only", "int8_weight_only"} <= names
+    for name in sorted(names):
         assert supports_tensor_parallel(name), name
         check_parallel_support(config(tp=2, quantization=name))
-    assert not supports_tensor_parallel("int4_weight_only")
-    with pytest.raises(ValueError, match="quantization 'int4_weight_only' with tensor_parallel_size 2 is not supported"):
-        check_parallel_support(config(tp=2, quantization="int4_weight_only"))
-    check_parallel_support(config(pp=2, quantization="int4_weight_only"))  # whole layers per stage: fine
+    monkeypatch.setattr(multiproc, "supports_tensor_parallel", lambda name: name != "gguf")
+    with pytest.raises(ValueError, match="quantization 'gguf' with tensor_parallel_size 2 is not supported"):
+        check_parallel_support(config(tp=2, quantization="gguf"))
+    check_parallel_support(config(pp=2, quantization="gguf"))  # whole layers per stage: fine
 
 
 def test_speculative_decoding_is_refused_with_pipeline_stages():

@@ -66,6 +66,21 @@ def test_column_parallel_replicated_and_output_layers(monkeypatch):
     assert taken(column.rank_part(labels(128, 8, dim=0), out_dim=0), 0) == list(range(64, 128))
     replicated, whole = Linear(64, 128, bias=False), labels(128, 64, dim=0)
     assert replicated.rank_part(whole, out_dim=0, in_dim=1) is whole
-    head = ParallelLMHead(64, 1000)
-    with pytest.raises(ValueError, match="quantized output layer, which is not split over 2 ranks"):
-        head.rank_part(labels(1000, 64, dim=0), out_dim=0)
+
+def test_output_layer_takes_its_vocabulary_slice_padded_with_zeros(monkeypatch):
+    """1,001 tokens over 2 ranks: 501 rows each, the last one past the vocabulary zero; a tensor that
+    already is the rank's slice (a tied embedding's) passes as it is."""
+    whole = labels(1001, 8, dim=0) + 1  # no label 0: padding shows as 0
+    for rank in range(2):
+        at_rank(monkeypatch, rank, 2)
+        head = ParallelLMHead(8, 1001)
+        part = head.rank_part(whole, out_dim=0)
+        assert part.shape == (501, 8)
+        expected = list(range(1 + 501 * rank, min(1002, 502 + 501 * rank))) + [0] * rank
+        assert taken(part, 0) == expected
+        own = torch.ones(501, 8)
+        assert head.rank_part(own, out_dim=0) is own
+        with pytest.raises(ValueError, match="packed 8 rows an index"):
+            head.rank_part(labels(126, 8, dim=0), out_dim=0, out_unit=8)
+        with pytest.raises(ValueError, match="has 1000 along dimension 0, expected the vocabulary's 1001"):
+            head.rank_part(labels(1000, 8, dim=0), out_dim=0)

@@ -287,7 +287,23 @@ class ParallelLMHead(Linear):
 
     def rank_part(self, tensor: torch.Tensor, shard: int | None = None, out_dim: int | None = None, out_unit: int = 1,
                   in_dim: int | None = None, in_unit: int = 1) -> torch.Tensor:
-        if self.tp_size > 1 and out_dim is not None:
-            raise ValueError(f"is part of a quantized output layer, which is not split over {self.tp_size} ranks "
-                             "(its padded vocabulary slices); use tensor_parallel_size 1")
-        return tensor
+        """This rank's vocabulary rows, zero past the vocabulary (the last slice is padded); a tensor
+        that already has this rank's rows (a tied embedding's) is returned as it is."""
+        if self.tp_size == 1 or out_dim is None:
+            return tensor
+        rows = self.out_features
+        if out_unit != 1:
+            raise ValueError(f"is part of an output layer packed {out_unit} rows an index, which is not split over "
+                             f"{self.tp_size} ranks (its padded vocabulary slices); use tensor_parallel_size 1")
+        if tensor.shape[out_dim] == rows:
+            return tensor
+        if tensor.shape[out_dim] != self.vocab_size:
+            raise ValueError(f"has {tensor.shape[out_dim]} along dimension {out_dim}, expected the vocabulary's "
+                             f"{self.vocab_size}")
+        start = min(self.vocab_start, self.vocab_size)
+        part = tensor.narrow(out_dim, start, min(rows, self.vocab_size - start))
+        if part.shape[out_dim] == rows:
+            return part
+        pad = list(part.shape)
+        pad[out_dim] = rows - part.shape[out_dim]
+        return torch.cat([part, part.new_zeros(pad)], dim=out_dim)

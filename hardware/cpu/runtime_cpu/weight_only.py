@@ -74,6 +74,7 @@ class _WeightOnlyMethod:
     """:class:`runtime.quantization.QuantMethod` of one of this module's linear methods."""
 
     name = ""
+    supports_tensor_parallel = True  # each rank quantizes its part of the weights (Linear.rank_part)
 
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> WeightOnlyConfig:
         if quantization_config is not None:
@@ -119,12 +120,8 @@ class WeightOnlyConfig:
         return Int8WeightOnlyLinear() if self.quantize_head else None
 
     def verify_platform(self, platform) -> None:
-        from runtime.distributed import tp_size
-
         if platform.device_type != "cpu":
             raise ValueError(f"{self.name} runs on the cpu platform only, not {platform.name!r}")
-        if tp_size() > 1:
-            raise ValueError(f"{self.name} does not shard layers: tensor_parallel_size must be 1, got {tp_size()}")
 
 
 class _WeightOnlyLinear:
@@ -140,6 +137,9 @@ class _WeightOnlyLinear:
             raise ValueError("is not part of an unquantized linear layer; a weight-only method expects only 'weight'")
         sizes, shard = layer.quant_output_sizes, shard or 0
         target = layer.weight.data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        rank_part = getattr(layer, "rank_part", None)  # runtime's linear layers: this tensor-parallel rank's part
+        if rank_part is not None:
+            tensor = rank_part(tensor, shard, out_dim=0, in_dim=1)
         if list(tensor.shape) != list(target.shape) or not tensor.dtype.is_floating_point:
             raise ValueError(
                 f"has shape {list(tensor.shape)} and dtype {tensor.dtype}, expected a float [{sizes[shard]}, {target.shape[1]}] ([out, in])"
