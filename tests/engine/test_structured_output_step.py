@@ -206,7 +206,9 @@ def test_a_platform_fused_bitmask_op_masks_the_logits(recording, model_path):
     llm = LLM(model_path, dtype="float32", max_model_len=128, guided_decoding_backend="recording",
               platform="cpu-fused-bitmask", attention_backend="sdpa", enforce_eager=True)
     constraint = StructuredOutputsParams(choice=choice_spec(SEQUENCES))
-    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),  # the free row first: rows differ
+    # The free row first, so that the rows differ. It runs longer: when the grammar is compiled late (a loaded
+    # machine) and the constrained request joins a later step, the free one is still running there (row 0).
+    params = [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=constraint)]
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
     tokens = outputs[1].outputs[0].token_ids
