@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from support.remote_server import SERVER_FLAGS, RemoteServer, free_port, wait_for
-from test_pd_serve import MAX_TOKENS, PROMPT, USAGE, Proxy, check_outputs_equal_a_single_server, completion
+from test_pd_serve import MAX_TOKENS, PROMPT, USAGE, check_outputs_equal_a_single_server, completion, running_pd
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,19 +39,11 @@ def ipc_flags(role: str, port: int, **extra) -> list[str]:
 @pytest.fixture(scope="module")
 def pd(tiny_pd_model, tmp_path_factory):
     """(prefill server on GPU 0, decode server on GPU 1, proxy), started side by side."""
-    logs = tmp_path_factory.mktemp("pd_ipc")
-    prefill = RemoteServer(tiny_pd_model, FLAGS + ipc_flags("kv_producer", free_port(), lease_s=30), logs / "prefill.log",
-                           env=PREFILL_ENV)
-    decode = RemoteServer(tiny_pd_model, FLAGS + ipc_flags("kv_consumer", free_port(), pull_timeout_s=5), logs / "decode.log",
-                          env=DECODE_ENV)
-    proxy = Proxy(prefill.url, decode.url, logs / "proxy.log")
-    try:
-        prefill.wait_ready(), decode.wait_ready(), proxy.wait_ready()
+    for prefill, decode, proxy in running_pd(
+        tiny_pd_model, tmp_path_factory.mktemp("pd_ipc"), FLAGS + ipc_flags("kv_producer", free_port(), lease_s=30),
+        FLAGS + ipc_flags("kv_consumer", free_port(), pull_timeout_s=5), PREFILL_ENV, DECODE_ENV,
+    ):
         yield prefill, decode, proxy
-    finally:
-        proxy.stop()
-        for server in (prefill, decode):
-            server.stop()
     for server in (prefill, decode):
         assert "Traceback" not in server.log(), server.log()
     assert "computing its prompt here" not in decode.log() and "KV transfer" not in decode.log(), decode.log()

@@ -61,15 +61,10 @@ class Proxy:
         self._log.close()
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_pd_model, tmp_path_factory):
-    """(prefill server, decode server, proxy), started side by side."""
-    logs = tmp_path_factory.mktemp("pd")
-    kv_port = free_port()
-    prefill = RemoteServer(tiny_pd_model, FLAGS + transfer_flags("kv_producer", kv_port, lease_s=LEASE_S),
-                           logs / "prefill.log")
-    decode = RemoteServer(tiny_pd_model, FLAGS + ["--async-scheduling"]
-                          + transfer_flags("kv_consumer", free_port(), pull_timeout_s=2), logs / "decode.log")
+def running_pd(model: str, logs, prefill_flags: list[str], decode_flags: list[str], prefill_env=None, decode_env=None):
+    """Yield (prefill server, decode server, proxy), started side by side; stopped afterwards."""
+    prefill = RemoteServer(model, prefill_flags, logs / "prefill.log", env=prefill_env)
+    decode = RemoteServer(model, decode_flags, logs / "decode.log", env=decode_env)
     proxy = Proxy(prefill.url, decode.url, logs / "proxy.log")
     try:
         prefill.wait_ready(), decode.wait_ready(), proxy.wait_ready()
@@ -78,6 +73,16 @@ def pd(tiny_pd_model, tmp_path_factory):
         proxy.stop()
         for server in (prefill, decode):
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_pd_model, tmp_path_factory):
+    """(prefill server, decode server, proxy), started side by side."""
+    for prefill, decode, proxy in running_pd(
+        tiny_pd_model, tmp_path_factory.mktemp("pd"), FLAGS + transfer_flags("kv_producer", free_port(), lease_s=LEASE_S),
+        FLAGS + ["--async-scheduling"] + transfer_flags("kv_consumer", free_port(), pull_timeout_s=2),
+    ):
+        yield prefill, decode, proxy
     assert "Traceback" not in decode.log(), decode.log()
 
 

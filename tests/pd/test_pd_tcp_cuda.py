@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 
-from support.remote_server import SERVER_FLAGS, RemoteServer, free_port, wait_for
-from test_pd_serve import MAX_TOKENS, PROMPT, USAGE, Proxy, check_outputs_equal_a_single_server, completion, transfer_flags
+from support.remote_server import SERVER_FLAGS, free_port, wait_for
+from test_pd_serve import MAX_TOKENS, PROMPT, USAGE, check_outputs_equal_a_single_server, completion, running_pd, transfer_flags
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,19 +26,11 @@ ENV = {"CUDA_VISIBLE_DEVICES": "0"}
 
 @pytest.fixture(scope="module")
 def pd(tiny_pd_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("pd_tcp_cuda")
-    prefill = RemoteServer(tiny_pd_model, FLAGS + transfer_flags("kv_producer", free_port(), lease_s=30),
-                           logs / "prefill.log", env=ENV)
-    decode = RemoteServer(tiny_pd_model, FLAGS + ["--async-scheduling"]
-                          + transfer_flags("kv_consumer", free_port(), pull_timeout_s=5), logs / "decode.log", env=ENV)
-    proxy = Proxy(prefill.url, decode.url, logs / "proxy.log")
-    try:
-        prefill.wait_ready(), decode.wait_ready(), proxy.wait_ready()
+    for prefill, decode, proxy in running_pd(
+        tiny_pd_model, tmp_path_factory.mktemp("pd_tcp_cuda"), FLAGS + transfer_flags("kv_producer", free_port(), lease_s=30),
+        FLAGS + ["--async-scheduling"] + transfer_flags("kv_consumer", free_port(), pull_timeout_s=5), ENV, ENV,
+    ):
         yield prefill, decode, proxy
-    finally:
-        proxy.stop()
-        for server in (prefill, decode):
-            server.stop()
     for server in (prefill, decode):
         assert "Traceback" not in server.log(), server.log()
     assert "computing its prompt here" not in decode.log() and "KV transfer" not in decode.log(), decode.log()
