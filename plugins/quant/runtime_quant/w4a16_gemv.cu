@@ -111,15 +111,23 @@ __device__ __forceinline__ void load_scales(float (&scale)[C], unsigned int& zer
   }
 }
 
-// The 8 codes of `word` against x's 8 rows (`xs`: the pairs (x0, x4), (x1, x5) / 16, (x2, x6), (x3, x7) / 16),
-// added into the half2 sum `acc`. `zero1` = 1024 + zero and `zero16` = 1024 + 16 zero, in both halves.
-__device__ __forceinline__ unsigned int dot_word(unsigned int word, uint4 xs, unsigned int zero1, unsigned int zero16,
-                                                 unsigned int acc) {
+// The 8 codes of `word` as (q - zero) in four half2 pairs, in the order of x's pairs (x0, x4), (x1, x5) / 16,
+// (x2, x6), (x3, x7) / 16 (the second and fourth pairs hold 16 (q - zero)). `zero1` = 1024 + zero and `zero16` =
+// 1024 + 16 zero, in both halves.
+__device__ __forceinline__ uint4 codes_of(unsigned int word, unsigned int zero1, unsigned int zero16) {
   const unsigned int high = word >> 8;
-  acc = fma_half2(sub_half2(and_or(word, kLowNibbles, kHalf1024), zero1), xs.x, acc);
-  acc = fma_half2(sub_half2(and_or(word, kHighNibbles, kHalf1024), zero16), xs.y, acc);
-  acc = fma_half2(sub_half2(and_or(high, kLowNibbles, kHalf1024), zero1), xs.z, acc);
-  return fma_half2(sub_half2(and_or(high, kHighNibbles, kHalf1024), zero16), xs.w, acc);
+  return make_uint4(sub_half2(and_or(word, kLowNibbles, kHalf1024), zero1),
+                    sub_half2(and_or(word, kHighNibbles, kHalf1024), zero16),
+                    sub_half2(and_or(high, kLowNibbles, kHalf1024), zero1),
+                    sub_half2(and_or(high, kHighNibbles, kHalf1024), zero16));
+}
+
+// acc + the word's codes times x's 8 rows (`xs`, pairs as codes_of gives them), in half2.
+__device__ __forceinline__ unsigned int dot_codes(uint4 codes, uint4 xs, unsigned int acc) {
+  acc = fma_half2(codes.x, xs.x, acc);
+  acc = fma_half2(codes.y, xs.y, acc);
+  acc = fma_half2(codes.z, xs.z, acc);
+  return fma_half2(codes.w, xs.w, acc);
 }
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -138,33 +146,40 @@ __device__ __forceinline__ void load_half(HalfChunk<C>& h, const unsigned int* r
   for (int i = 0; i < kHalfWords; ++i) load_streaming(h.words[i], rows + static_cast<size_t>(i) * stride_q, on);
 }
 
-// The half chunk's products, in float: half2 sums of two word rows (8 products a lane), then added in float.
-template <int C>
-__device__ __forceinline__ void dot_half(const HalfChunk<C>& h, const uint4* xs, const GroupParams<C>& g, float (&sums)[C]) {
+// The half chunk's products with each of the M rows of x (`xs`: the rows' pairs, `words` apart), in float: half2
+// sums of two word rows (8 products a lane), then added in float.
+template <int C, int M>
+__device__ __forceinline__ void dot_half(const HalfChunk<C>& h, const uint4* xs, int words, const GroupParams<C>& g,
+                                         float (&sums)[M][C]) {
 #pragma unroll
   for (int i = 0; i < kHalfWords; i += 2) {
-    const uint4 x0 = xs[i], x1 = xs[i + 1];
 #pragma unroll
-    for (int j = 0; j < C; ++j)
-      sums[j] += sum_half2(dot_word(h.words[i + 1][j], x1, g.zero1[j], g.zero16[j],
-                                    dot_word(h.words[i][j], x0, g.zero1[j], g.zero16[j], 0u)));
+    for (int j = 0; j < C; ++j) {
+      const uint4 codes0 = codes_of(h.words[i][j], g.zero1[j], g.zero16[j]);
+      const uint4 codes1 = codes_of(h.words[i + 1][j], g.zero1[j], g.zero16[j]);
+#pragma unroll
+      for (int r = 0; r < M; ++r)
+        sums[r][j] += sum_half2(dot_codes(codes1, xs[r * words + i + 1], dot_codes(codes0, xs[r * words + i], 0u)));
+    }
   }
 }
 
-// grid (ceil(n / (32 C)), blocks along K); dynamic shared memory: chunks_per_block * 16 * 16 bytes; at most
-// 16 chunks a block. kMinBlocks: the blocks an SM must hold at once (2 caps registers at 128 a thread).
+// M rows of x [M, k] (1-4: decode batches, speculative verification) into out [M, n]; each row's weights are
+// dequantized once for all rows. grid (ceil(n / (32 C)), blocks along K); dynamic shared memory:
+// M * chunks_per_block * 16 * 16 bytes; at most 16 chunks a block. kMinBlocks: the blocks an SM must hold at once
+// (2 caps registers at 128 a thread). parts: [blocks along K, M, n] float32.
 // Requires k % 128 == 0, n % 4 == 0, group_rows % 128 == 0 or >= k, 16-byte aligned rows of qweight and scales,
 // 4-byte aligned rows of zeros, 16-byte aligned x.
-template <typename T, int C, int kMinBlocks>
+template <typename T, int C, int kMinBlocks, int M>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
     const T* __restrict__ x, const unsigned int* __restrict__ qweight, const float* __restrict__ scales,
     const unsigned char* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
     float* __restrict__ parts, int* __restrict__ locks, int n, int k, int group_rows, int chunks_per_block,
     int stride_q, int stride_s, int stride_z, int has_bias) {
-  extern __shared__ uint4 xs[];  // per word row of the block's rows: x as the 4 half2 pairs dot_word takes
+  extern __shared__ uint4 xs[];  // [M][words]: per row, per word row of the block's rows: x's 4 half2 pairs
   constexpr int kCols = 32 * C;  // the block's columns
   __shared__ float partial[kWarps][kCols];
-  __shared__ float block_max[kWarps];
+  __shared__ float block_max[M][kWarps];
   __shared__ int is_last;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -190,38 +205,46 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
   float scale[C];
   unsigned int zeros_packed;
   load_scales<C>(scale, zeros_packed, s_col + group_of(c0) * stride_s, z_col + group_of(c0) * stride_z);
-  float v[8];  // thread r holds x's word row r (chunks_per_block <= 16: one row a thread at most)
-  float m = 0.0f;
-  if (threadIdx.x < words) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(xb + threadIdx.x * 8);
-    const unsigned int packed[4] = {raw.x, raw.y, raw.z, raw.w};
+  // Thread r holds word row r of each row of x (chunks_per_block <= 16: one word row a thread at most).
+  float v[M][8];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[2 * j] = T{static_cast<unsigned short>(packed[j] & 0xFFFF)}.value();
-      v[2 * j + 1] = T{static_cast<unsigned short>(packed[j] >> 16)}.value();
+  for (int r = 0; r < M; ++r) {
+    float m = 0.0f;
+    if (threadIdx.x < words) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(xb + static_cast<size_t>(r) * k + threadIdx.x * 8);
+      const unsigned int packed[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[r][2 * j] = T{static_cast<unsigned short>(packed[j] & 0xFFFF)}.value();
+        v[r][2 * j + 1] = T{static_cast<unsigned short>(packed[j] >> 16)}.value();
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[r][j]));
     }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m = fmaxf(m, fabsf(v[j]));
+    m = warp_max(m);
+    if (lane == 0) block_max[r][warp] = m;
   }
-  m = warp_max(m);
-  if (lane == 0) block_max[warp] = m;
   __syncthreads();
-  m = block_max[0];
-  for (int w = 1; w < kWarps; ++w) m = fmaxf(m, block_max[w]);
-  const int biased = (__float_as_uint(m) >> 23) & 0xFF;  // m = f * 2^e, f in [0.5, 1): e = biased - 126
-  const int e = biased == 0 ? 0 : min(max(biased - 126, -120), 120);
-  const float down = __uint_as_float(static_cast<unsigned int>(127 - e) << 23);  // 2^-e
-  const float up = __uint_as_float(static_cast<unsigned int>(127 + e) << 23);    // 2^e
-  if (threadIdx.x < words) {
+  float up[M];  // 2^e of each row
 #pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] *= down;
-    xs[threadIdx.x] = make_uint4(half2_of(v[0], v[4]), half2_of(v[1] * 0.0625f, v[5] * 0.0625f), half2_of(v[2], v[6]),
-                                 half2_of(v[3] * 0.0625f, v[7] * 0.0625f));
+  for (int r = 0; r < M; ++r) {
+    float m = block_max[r][0];
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, block_max[r][w]);
+    const int biased = (__float_as_uint(m) >> 23) & 0xFF;  // m = f * 2^e, f in [0.5, 1): e = biased - 126
+    const int e = biased == 0 ? 0 : min(max(biased - 126, -120), 120);
+    const float down = __uint_as_float(static_cast<unsigned int>(127 - e) << 23);  // 2^-e
+    up[r] = __uint_as_float(static_cast<unsigned int>(127 + e) << 23);
+    if (threadIdx.x < words) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[r][j] *= down;
+      xs[r * words + threadIdx.x] = make_uint4(half2_of(v[r][0], v[r][4]), half2_of(v[r][1] * 0.0625f, v[r][5] * 0.0625f),
+                                               half2_of(v[r][2], v[r][6]), half2_of(v[r][3] * 0.0625f, v[r][7] * 0.0625f));
+    }
   }
   __syncthreads();
 
   // 2. Each warp's chunks (c = warp, warp + 8, ...), a half chunk computed while the next one's loads fly.
-  float acc[C] = {};
+  float acc[M][C] = {};
   for (int c = warp; c < chunks; c += kWarps) {
     const bool more = c + kWarps < chunks;
     const int next = more ? c + kWarps : c;
@@ -233,32 +256,44 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
       g.zero1[j] = half2_of(1024.0f + z, 1024.0f + z);
       g.zero16[j] = half2_of(1024.0f + 16.0f * z, 1024.0f + 16.0f * z);
     }
-    float sums[C] = {};
-    dot_half(first, xs + c * kChunkWords, g, sums);
+    float sums[M][C] = {};
+    dot_half<C, M>(first, xs + c * kChunkWords, words, g, sums);
     load_half(first, chunk_rows(next), stride_q, more);
     load_scales<C>(scale, zeros_packed, s_col + group_of(next) * stride_s, z_col + group_of(next) * stride_z);
-    dot_half(second, xs + c * kChunkWords + kHalfWords, g, sums);
+    dot_half<C, M>(second, xs + c * kChunkWords + kHalfWords, words, g, sums);
     load_half(second, chunk_rows(next) + static_cast<size_t>(kHalfWords) * stride_q, stride_q, more);
 #pragma unroll
-    for (int j = 0; j < C; ++j) acc[j] += sums[j] * g.scale[j];
+    for (int r = 0; r < M; ++r)
+#pragma unroll
+      for (int j = 0; j < C; ++j) acc[r][j] += sums[r][j] * g.scale[j];
   }
 
-  // 3. The block's sums (warps added in order), then the output or this block's partial sums.
-#pragma unroll
-  for (int j = 0; j < C; ++j) partial[warp][lane * C + j] = acc[j];
-  __syncthreads();
+  // 3. The block's sums (warps added in order), then the output or this block's partial sums, row by row.
   const int out_col = blockIdx.x * kCols + threadIdx.x;
   const bool writes = threadIdx.x < kCols && out_col < n;
-  float total = 0.0f;
-  if (writes) {
-    for (int w = 0; w < kWarps; ++w) total += partial[w][threadIdx.x];
-    total *= up;
+  float total[M];
+#pragma unroll
+  for (int r = 0; r < M; ++r) {
+    if (r > 0) __syncthreads();  // the previous row's partial sums are read
+#pragma unroll
+    for (int j = 0; j < C; ++j) partial[warp][lane * C + j] = acc[r][j];
+    __syncthreads();
+    total[r] = 0.0f;
+    if (writes) {
+      for (int w = 0; w < kWarps; ++w) total[r] += partial[w][threadIdx.x];
+      total[r] *= up[r];
+    }
   }
   if (gridDim.y == 1) {
-    if (writes) out[out_col] = T::round(has_bias ? total + bias[out_col].value() : total);
+    if (writes)
+#pragma unroll
+      for (int r = 0; r < M; ++r)
+        out[static_cast<size_t>(r) * n + out_col] = T::round(has_bias ? total[r] + bias[out_col].value() : total[r]);
     return;
   }
-  if (writes) parts[static_cast<size_t>(blockIdx.y) * n + out_col] = total;
+  if (writes)
+#pragma unroll
+    for (int r = 0; r < M; ++r) parts[(static_cast<size_t>(blockIdx.y) * M + r) * n + out_col] = total[r];
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(&locks[blockIdx.x], 1) == static_cast<int>(gridDim.y) - 1;
@@ -266,9 +301,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
   if (!is_last) return;
   __threadfence();
   if (writes) {
-    float sum = 0.0f;
-    for (int s = 0; s < static_cast<int>(gridDim.y); ++s) sum += __ldcg(parts + static_cast<size_t>(s) * n + out_col);
-    out[out_col] = T::round(has_bias ? sum + bias[out_col].value() : sum);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      float sum = 0.0f;
+      for (int s = 0; s < static_cast<int>(gridDim.y); ++s) sum += __ldcg(parts + (static_cast<size_t>(s) * M + r) * n + out_col);
+      out[static_cast<size_t>(r) * n + out_col] = T::round(has_bias ? sum + bias[out_col].value() : sum);
+    }
   }
   if (threadIdx.x == 0) locks[blockIdx.x] = 0;  // ready for the next call
 }

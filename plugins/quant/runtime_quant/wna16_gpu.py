@@ -1,9 +1,9 @@
 """Weight-only 4/8-bit layers on the GPU: Triton kernels over the canonical packed layout.
 
-One row of 4-bit weights (the batch-1 decode step) takes the CUDA GEMV of
-:mod:`runtime_quant.w4a16_cuda` where CuPy can compile it. Other decode-sized batches (at most
-:data:`GEMV_MAX_ROWS` rows) take the dequantize-in-kernel Triton GEMV, split along K so that a
-small layer still fills the GPU; larger batches take the
+Decode-sized batches (at most :data:`GEMV_MAX_ROWS` rows) of 4-bit weights take the CUDA GEMV of
+:mod:`runtime_quant.w4a16_cuda` where CuPy can compile it; other decode-sized batches (8-bit, or
+without CuPy) the dequantize-in-kernel Triton GEMV, split along K so that a small layer still
+fills the GPU; larger batches take the
 dequantize-tile + ``tl.dot`` GEMM, and from :data:`DEQUANT_MIN_ROWS` rows the layer is
 dequantized into a reused scratch of ONE layer (:func:`scratch`: the largest layer's weights in
 the activations' dtype, shared by all layers) and multiplied by cuBLAS, as GGUF layers do. The
@@ -96,8 +96,8 @@ def _locks(device: torch.device) -> torch.Tensor:
 
 def wna16_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.Tensor | None,
                config: GemvConfig | None = None) -> torch.Tensor:
-    """``x`` [rows <= 4, K] @ the layer: the CUDA one-row kernel where it applies, unless a Triton
-    ``config`` is given (benchmarks, tests), else the Triton GEMV."""
+    """``x`` [rows <= 4, K] @ the layer: the CUDA kernel where it applies, unless a Triton ``config``
+    is given (benchmarks, tests), else the Triton GEMV."""
     from runtime_quant.jit_wna16 import wna16_gemv_kernel
 
     if config is None and w4a16_cuda.supports(layer, bits, x):

@@ -20,15 +20,17 @@ def test_quant_kernels_compile_for_sm90():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
 def test_cuda_gemv_compiles_for_sm90_without_spills(tmp_path):
-    """Every variant of the CUDA one-row 4-bit GEMV (both activation dtypes) compiles for sm_90, and
-    ptxas keeps it in registers: a spill would put the weights in flight into local memory."""
+    """Every variant of the CUDA 4-bit GEMV for one row, and the multi-row one for 2-4 rows (both
+    activation dtypes), compiles for sm_90, and ptxas keeps it in registers: a spill would put the
+    weights in flight into local memory."""
     from runtime_quant import w4a16_cuda
 
     source = tmp_path / "instances.cu"
     lines = [f'#include "{os.path.join(os.path.dirname(w4a16_cuda.__file__), "w4a16_gemv.cu")}"']
+    shapes = [(v, 1) for v in w4a16_cuda.VARIANTS] + [(w4a16_cuda.MULTI_ROW, rows) for rows in range(2, w4a16_cuda.MAX_ROWS + 1)]
     for name in w4a16_cuda.KERNEL_TYPES.values():
-        for v in w4a16_cuda.VARIANTS:
-            lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}>(const {name}*, "
+        for v, rows in shapes:
+            lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}, {rows}>(const {name}*, "
                          "const unsigned int*, const float*, const unsigned char*, const " + name + "*, " + name + "*, "
                          "float*, int*, int, int, int, int, int, int, int, int);")
     source.write_text("\n".join(lines) + "\n")
@@ -36,6 +38,6 @@ def test_cuda_gemv_compiles_for_sm90_without_spills(tmp_path):
                              str(source)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     compiled = [line for line in result.stderr.splitlines() if "Compiling entry function" in line]
-    assert len(compiled) == len(w4a16_cuda.KERNEL_TYPES) * len(w4a16_cuda.VARIANTS), result.stderr
+    assert len(compiled) == len(w4a16_cuda.KERNEL_TYPES) * len(shapes), result.stderr
     spills = [line for line in result.stderr.splitlines() if "spill" in line]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), result.stderr

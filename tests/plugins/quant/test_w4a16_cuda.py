@@ -1,4 +1,4 @@
-"""The CUDA one-row 4-bit GEMV (runtime_quant.w4a16_cuda) against the float32 reference.
+"""The CUDA 4-bit GEMV for 1-4 rows (runtime_quant.w4a16_cuda) against the float32 reference.
 
 GPU only: the kernel is CUDA C compiled by NVRTC. Shapes cover one and several 128-row chunks
 per block, blocks along K (the partial sums and the last block's ordered sum), N not a multiple
@@ -32,6 +32,9 @@ def _kernel_compiles():
 
     for v in w4a16_cuda.VARIANTS:
         assert w4a16_cuda.kernels(torch.cuda.current_device(), v.columns, v.min_blocks) is not None, f"{v} did not compile"
+    v = w4a16_cuda.MULTI_ROW
+    for rows in range(2, w4a16_cuda.MAX_ROWS + 1):
+        assert w4a16_cuda.kernels(torch.cuda.current_device(), v.columns, v.min_blocks, rows) is not None, f"{rows} rows"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -61,6 +64,28 @@ def test_cuda_gemv_matches_reference(dtype, k, n, group, chunks, with_bias):
             out = w4a16_cuda.gemv(layer, x, bias, _locks(x.device), variant)
             assert out.dtype == dtype and out.shape == (1, n)
             torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+@pytest.mark.parametrize("k,n,group,chunks", [(1024, 200, 128, 3), (4096, 6144, 128, 16), (640, 96, -1, 2)])
+def test_cuda_gemv_of_several_rows(rows, k, n, group, chunks):
+    """2-4 rows (decode batches, speculative verification) of very different magnitudes (each row
+    scaled by its own power of two), with bias, through the Triton entry point too."""
+    from runtime_quant import w4a16_cuda, wna16_gpu
+    from runtime_quant.wna16_gpu import _locks
+
+    layer, scheme = make_layer(4, group, k, n, device="cuda", seed=k + rows)
+    scale = torch.tensor([10.0 ** (3 * r - 3) for r in range(rows)])[:, None]  # 1e-3, 1, 1e3, 1e6
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * scale).to(torch.bfloat16).cuda()
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16).cuda()
+    assert w4a16_cuda.supports(layer, 4, x)
+    expected = _reference(layer, scheme, x, bias)
+    variant = dataclasses.replace(w4a16_cuda.MULTI_ROW, chunks_per_block=chunks)
+    outputs = [w4a16_cuda.gemv(layer, x, bias, _locks(x.device), variant), wna16_gpu.triton_wna16(layer, scheme, x, bias)]
+    for out in outputs:
+        assert out.shape == (rows, n)
+        for r in range(rows):  # each row against its own scale
+            torch.testing.assert_close(out[r].float(), expected[r], atol=2e-3 * expected[r].abs().max().item(), rtol=1e-2)
 
 
 @pytest.mark.parametrize("magnitude", [1e-6, 1e4, 3e6])
@@ -101,10 +126,11 @@ def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
         torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
 
 
-@pytest.mark.parametrize("graphs,tp", [(True, 1), (False, 1), (True, 2)], ids=["graphs", "eager", "graphs-tp2"])
-def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, monkeypatch):
-    """A GPTQ 4-bit model in bfloat16, one sequence at a time (every decode step is batch 1), with
-    K multiples of 128 (also each rank's half at TP=2): its projections run the CUDA GEMV, and the
+@pytest.mark.parametrize("graphs,tp,together", [(True, 1, False), (False, 1, False), (True, 2, False), (True, 1, True)],
+                         ids=["graphs", "eager", "graphs-tp2", "graphs-batch-3"])
+def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, together, monkeypatch):
+    """A GPTQ 4-bit model in bfloat16, one sequence at a time (every decode step is batch 1) or three
+    together, with K multiples of 128 (also each rank's half at TP=2): its projections run the CUDA GEMV, and the
     greedy tokens and logprobs stay within bfloat16 rounding of transformers' model with the
     dequantized weights (compared until the first differing token)."""
     if tp > torch.cuda.device_count():
@@ -132,10 +158,13 @@ def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, mon
     llm = LLM(path, platform="cuda", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=not graphs,
               cuda_graph_sizes=[1, 2, 4], kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5, detokenize=False)
-    for prompt, (ref_tokens, ref_steps) in zip(prompts, expected):
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    if together:  # decode steps of 3 rows
+        outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    else:  # every decode step is batch 1
+        outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    for out, (ref_tokens, ref_steps) in zip(outputs, expected):
         check_logprobs_close_until_divergence(ref_tokens, ref_steps, out.token_ids, out.logprobs, atol=0.1,
-                                              label="gptq 4-bit bf16 batch 1")
+                                              label=f"gptq 4-bit bf16 {'batch 3' if together else 'batch 1'}")
     if tp == 1:  # the workers of TP=2 are other processes
         assert calls, "no projection took the CUDA GEMV"
     else:
