@@ -24,7 +24,11 @@ ENABLED = os.environ.get("RUNTIME_WNA16_CUDA_GEMV", "1") != "0"
 THREADS = 256  # kThreads
 CHUNK_ROWS = 128  # kChunkRows: the input rows a warp takes at a time
 MAX_CHUNKS_PER_BLOCK = 16  # a block's rows of x: one 8-row word row a thread
-MAX_ROWS = 4  # rows of x a call takes (each word is dequantized once for all of them)
+KERNEL_MAX_ROWS = 4  # rows of x a call can take (each word is dequantized once for all of them)
+# The rows the engine sends it: 2-4 rows are compiled and checked for spills on the CPU but not yet run
+# on a GPU (tests/plugins/quant/test_w4a16_cuda.py), so only one row by default; RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS=4
+# turns them on.
+MAX_ROWS = min(int(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", "1")), KERNEL_MAX_ROWS)
 KERNEL_TYPES = {torch.bfloat16: "w4a16::bf16", torch.float16: "w4a16::f16"}
 
 
@@ -115,7 +119,7 @@ def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor) -> bool:
 
 def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, locks: torch.Tensor,
          variant: Variant | None = None) -> torch.Tensor:
-    """``x`` [M <= 4, K] (contiguous) @ the layer's weights (+ ``bias``) -> [M, N] in ``x``'s dtype.
+    """``x`` [M <= KERNEL_MAX_ROWS, K] (contiguous) @ the layer's weights (+ ``bias``) -> [M, N] in ``x``'s dtype.
     ``locks``: int32 counters, zero, at least one per block of columns (the kernel leaves them zero)."""
     rows = x.shape[0]
     variant = variant or variant_for(rows)

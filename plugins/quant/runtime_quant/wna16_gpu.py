@@ -1,9 +1,9 @@
 """Weight-only 4/8-bit layers on the GPU: Triton kernels over the canonical packed layout.
 
-Decode-sized batches (at most :data:`GEMV_MAX_ROWS` rows) of 4-bit weights take the CUDA GEMV of
-:mod:`runtime_quant.w4a16_cuda` where CuPy can compile it; other decode-sized batches (8-bit, or
-without CuPy) the dequantize-in-kernel Triton GEMV, split along K so that a small layer still
-fills the GPU; larger batches take the
+Decode-sized batches of 4-bit weights (one row; up to :data:`runtime_quant.w4a16_cuda.MAX_ROWS`)
+take the CUDA GEMV of :mod:`runtime_quant.w4a16_cuda` where CuPy can compile it; other
+decode-sized batches (at most :data:`GEMV_MAX_ROWS` rows) the dequantize-in-kernel Triton GEMV,
+split along K so that a small layer still fills the GPU; larger batches take the
 dequantize-tile + ``tl.dot`` GEMM, and from :data:`DEQUANT_MIN_ROWS` rows the layer is
 dequantized into a reused scratch of ONE layer (:func:`scratch`: the largest layer's weights in
 the activations' dtype, shared by all layers) and multiplied by cuBLAS, as GGUF layers do. The

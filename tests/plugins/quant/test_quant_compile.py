@@ -27,7 +27,7 @@ def test_cuda_gemv_compiles_for_sm90_without_spills(tmp_path):
 
     source = tmp_path / "instances.cu"
     lines = [f'#include "{os.path.join(os.path.dirname(w4a16_cuda.__file__), "w4a16_gemv.cu")}"']
-    shapes = [(v, 1) for v in w4a16_cuda.VARIANTS] + [(w4a16_cuda.MULTI_ROW, rows) for rows in range(2, w4a16_cuda.MAX_ROWS + 1)]
+    shapes = [(v, 1) for v in w4a16_cuda.VARIANTS] + [(w4a16_cuda.MULTI_ROW, rows) for rows in range(2, w4a16_cuda.KERNEL_MAX_ROWS + 1)]
     for name in w4a16_cuda.KERNEL_TYPES.values():
         for v, rows in shapes:
             lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}, {rows}>(const {name}*, "

@@ -33,7 +33,7 @@ def _kernel_compiles():
     for v in w4a16_cuda.VARIANTS:
         assert w4a16_cuda.kernels(torch.cuda.current_device(), v.columns, v.min_blocks) is not None, f"{v} did not compile"
     v = w4a16_cuda.MULTI_ROW
-    for rows in range(2, w4a16_cuda.MAX_ROWS + 1):
+    for rows in range(2, w4a16_cuda.KERNEL_MAX_ROWS + 1):
         assert w4a16_cuda.kernels(torch.cuda.current_device(), v.columns, v.min_blocks, rows) is not None, f"{rows} rows"
 
 
@@ -68,12 +68,13 @@ def test_cuda_gemv_matches_reference(dtype, k, n, group, chunks, with_bias):
 
 @pytest.mark.parametrize("rows", [2, 3, 4])
 @pytest.mark.parametrize("k,n,group,chunks", [(1024, 200, 128, 3), (4096, 6144, 128, 16), (640, 96, -1, 2)])
-def test_cuda_gemv_of_several_rows(rows, k, n, group, chunks):
+def test_cuda_gemv_of_several_rows(rows, k, n, group, chunks, monkeypatch):
     """2-4 rows (decode batches, speculative verification) of very different magnitudes (each row
     scaled by its own power of two), with bias, through the Triton entry point too."""
     from runtime_quant import w4a16_cuda, wna16_gpu
     from runtime_quant.wna16_gpu import _locks
 
+    monkeypatch.setattr(w4a16_cuda, "MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)
     layer, scheme = make_layer(4, group, k, n, device="cuda", seed=k + rows)
     scale = torch.tensor([10.0 ** (3 * r - 3) for r in range(rows)])[:, None]  # 1e-3, 1, 1e3, 1e6
     x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * scale).to(torch.bfloat16).cuda()
@@ -108,6 +109,7 @@ def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
 
     layer, scheme = make_layer(4, 128, 4096, 1024, device="cuda", seed=9)
     x = torch.zeros(1, 4096, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(w4a16_cuda, "MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)  # the batch of 3 too
     calls = []
     original = w4a16_cuda.gemv
     w4a16_cuda.gemv = lambda *args, **kw: calls.append(1) or original(*args, **kw)
@@ -152,6 +154,7 @@ def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, tog
     prompts = make_prompts()[:3]
     expected = hf_greedy(reference, prompts, 16)
     del reference
+    monkeypatch.setattr(w4a16_cuda, "MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)  # the batch of 3 too
     calls = []
     original = w4a16_cuda.gemv
     monkeypatch.setattr(w4a16_cuda, "gemv", lambda *args, **kw: calls.append(1) or original(*args, **kw))
