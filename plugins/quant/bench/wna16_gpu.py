@@ -87,20 +87,21 @@ def sweep(layers: dict, bits: int, batches: list[int]) -> None:
                   "; ".join(f"{c} {timings[c]:7.1f} us ({nbytes / timings[c] / 1e3:6.0f} GB/s)" for c in best), flush=True)
 
 
-def compare_one_row(scheme: WNA16Scheme, l2_bytes: int = 120 << 20) -> None:
-    """One row, 4 bits: the Triton GEMV against the CUDA one
+def compare_one_row(scheme: WNA16Scheme, l2_bytes: int = 120 << 20, rows: int = 1) -> None:
+    """``rows`` rows (1 by default), 4 bits: the Triton GEMV against the CUDA one
     (:mod:`runtime_quant.w4a16_cuda`, a few chunk counts per block), per shape and for all linears
     x 32 layers, each call on the next of enough layer copies that none is still in L2."""
     from runtime_quant import w4a16_cuda
     from runtime_quant.wna16_gpu import _locks
 
-    variants = [dataclasses.replace(v, chunks_per_block=c) for v in w4a16_cuda.VARIANTS for c in (8, 16)]
+    shapes = w4a16_cuda.VARIANTS if rows == 1 else (w4a16_cuda.MULTI_ROW, dataclasses.replace(w4a16_cuda.MULTI_ROW, min_blocks=1))
+    variants = [dataclasses.replace(v, chunks_per_block=c) for v in shapes for c in (8, 16)]
     totals = {}
     for name, (k, n) in SHAPES.items():
         first = packed_layer(k, n, scheme)
         nbytes = first.qweight.numel() * 4 + first.scales.numel() * 4 + first.zeros.numel()
         copies = [first] + [packed_layer(k, n, scheme) for _ in range(max(1, -(-l2_bytes // nbytes)) - 1)]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         chosen = gemv_config(n, k, first.quant_group_rows, x.device)
         locks = _locks(x.device)
         runs = {
@@ -116,8 +117,8 @@ def compare_one_row(scheme: WNA16Scheme, l2_bytes: int = 120 << 20) -> None:
             us = cuda_time(lambda: [run(c) for c in copies], repeats=4, replays=5) / len(copies)
             totals[label] = totals.get(label, 0.0) + us
             line.append(f"{label} {us:6.1f} us ({nbytes / us / 1e3:5.0f} GB/s, err {err:.1e})")
-        print(f"one-row {name:8s} [{k}x{n}]: " + "; ".join(line), flush=True)
-    print("one-row all linears x 32 layers: " + ", ".join(f"{label} {us * NUM_LAYERS / 1e3:.3f} ms" for label, us in totals.items()))
+        print(f"{rows}-row {name:8s} [{k}x{n}]: " + "; ".join(line), flush=True)
+    print(f"{rows}-row all linears x 32 layers: " + ", ".join(f"{label} {us * NUM_LAYERS / 1e3:.3f} ms" for label, us in totals.items()))
 
 
 def main() -> None:
@@ -128,10 +129,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time a grid of GEMV tilings per decode shape")
     parser.add_argument("--sweep-batches", default="1")
     parser.add_argument("--one-row", action="store_true", help="compare the one-row 4-bit GEMVs (Triton, CUDA), then exit")
+    parser.add_argument("--rows", type=int, default=1, help="rows of x for --one-row (1-4)")
     args = parser.parse_args()
     scheme = WNA16Scheme("gptq", args.bits, args.group, symmetric=False)
     if args.one_row:
-        compare_one_row(WNA16Scheme("gptq", 4, args.group, symmetric=False))
+        compare_one_row(WNA16Scheme("gptq", 4, args.group, symmetric=False), rows=args.rows)
         return
     layers = {name: packed_layer(i, o, scheme) for name, (i, o) in SHAPES.items()}
     dense = {name: dequantize_codes(layer, unpack(layer.qweight, args.bits, dim=0), 0).t().to(torch.bfloat16).contiguous()
