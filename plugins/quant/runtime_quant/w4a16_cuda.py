@@ -25,10 +25,9 @@ THREADS = 256  # kThreads
 CHUNK_ROWS = 128  # kChunkRows: the input rows a warp takes at a time
 MAX_CHUNKS_PER_BLOCK = 16  # a block's rows of x: one 8-row word row a thread
 KERNEL_MAX_ROWS = 4  # rows of x a call can take (each word is dequantized once for all of them)
-# The rows the engine sends it: 2-4 rows are compiled and checked for spills on the CPU but not yet run
-# on a GPU (tests/plugins/quant/test_w4a16_cuda.py), so only one row by default; RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS=4
-# turns them on.
-MAX_ROWS = min(int(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", "1")), KERNEL_MAX_ROWS)
+# The rows the engine sends it (RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS=1 keeps 2-4 rows on the Triton GEMV). On an
+# H100, Llama-3-8B's four linears x 32 layers at 4 rows: 3.25 ms against the Triton GEMV's 8.40 (benchmarks/RESULTS.md).
+MAX_ROWS = min(int(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", str(KERNEL_MAX_ROWS))), KERNEL_MAX_ROWS)
 KERNEL_TYPES = {torch.bfloat16: "w4a16::bf16", torch.float16: "w4a16::f16"}
 
 

@@ -1,6 +1,6 @@
 """Weight-only 4/8-bit layers on the GPU: Triton kernels over the canonical packed layout.
 
-Decode-sized batches of 4-bit weights (one row; up to :data:`runtime_quant.w4a16_cuda.MAX_ROWS`)
+Decode-sized batches of 4-bit weights (up to :data:`runtime_quant.w4a16_cuda.MAX_ROWS` rows)
 take the CUDA GEMV of :mod:`runtime_quant.w4a16_cuda` where CuPy can compile it; other
 decode-sized batches (at most :data:`GEMV_MAX_ROWS` rows) the dequantize-in-kernel Triton GEMV,
 split along K so that a small layer still fills the GPU; larger batches take the

@@ -109,7 +109,6 @@ def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
 
     layer, scheme = make_layer(4, 128, 4096, 1024, device="cuda", seed=9)
     x = torch.zeros(1, 4096, dtype=torch.bfloat16, device="cuda")
-    monkeypatch.setattr(w4a16_cuda, "MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)  # the batch of 3 too
     calls = []
     original = w4a16_cuda.gemv
     w4a16_cuda.gemv = lambda *args, **kw: calls.append(1) or original(*args, **kw)
@@ -154,7 +153,6 @@ def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, tog
     prompts = make_prompts()[:3]
     expected = hf_greedy(reference, prompts, 16)
     del reference
-    monkeypatch.setattr(w4a16_cuda, "MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)  # the batch of 3 too
     calls = []
     original = w4a16_cuda.gemv
     monkeypatch.setattr(w4a16_cuda, "gemv", lambda *args, **kw: calls.append(1) or original(*args, **kw))
