@@ -50,6 +50,16 @@ class LinearMethod(Protocol):
     # [out, in] and float32 row scales [out]), those two, so that a norm or activation before the
     # layer may fuse into that gemv (``Linear.gemv_operands``); None otherwise. A method without it
     # is never fused with the op before it.
+    # Optional, for methods with kernels of their own that can compute the op before the layer as they
+    # read its input (decode steps; ``Linear.quant_fused``); each returns None where it does not, and
+    # the ops run apart:
+    #   ``apply_rms_norm(layer, x, residual, norm_weight, eps, gemma, bias) -> (out, s) | None``:
+    #     ``s = x + residual`` (``x`` itself when ``residual`` is None) and ``out = apply(layer,
+    #     rms_norm(s, norm_weight, eps, gemma), bias)``, rounded as the ``fused_add_rms_norm`` op
+    #     rounds (:mod:`runtime.models.ops`); inputs untouched;
+    #   ``apply_silu_and_mul(layer, x, bias) -> out | None``: ``apply(layer, silu_and_mul(x), bias)``
+    #     for ``x`` = ``[gate | up]``.
+    # Only shapes, dtypes and build-time state may decide between the result and None (CUDA graphs).
 
 
 @runtime_checkable

@@ -151,3 +151,78 @@ def test_tensor_parallel_ranks_fuse_their_parts(monkeypatch):
     gate, up = normed.float() @ whole["gate"].float().t(), normed.float() @ whole["up"].float().t()
     expected = (torch.nn.functional.silu(gate) * up) @ whole["down"].float().t() + whole["bias"].float()
     torch.testing.assert_close(parts[0] + parts[1], expected, atol=0.05, rtol=0.02)  # the bias once
+
+
+class DenseStandInMethod:
+    """A linear method over a dense weight (``layer.dense``) that, like the quant plugin's 4-bit one
+    on a GPU, fuses the norm or the SiLU before its layer for up to ``max_rows`` rows; with the torch
+    references as the arithmetic, fused and separate ops give identical results."""
+
+    def __init__(self, max_rows: int, calls: list):
+        self.max_rows, self.calls = max_rows, calls
+
+    def apply(self, layer, x, bias=None):
+        out = x.float() @ layer.dense.float().t()
+        return (out if bias is None else out + bias.float()).to(x.dtype)
+
+    def apply_rms_norm(self, layer, x, residual, norm_weight, eps, gemma, bias=None):
+        if x.shape[0] > self.max_rows:
+            return None
+        self.calls.append(("apply_rms_norm", bias is not None))
+        summed = x if residual is None else x + residual
+        return self.apply(layer, rms_norm_ref(summed, norm_weight, eps, gemma), bias), summed
+
+    def apply_silu_and_mul(self, layer, x, bias=None):
+        if x.shape[0] > self.max_rows:
+            return None
+        self.calls.append(("apply_silu_and_mul", bias is not None))
+        return self.apply(layer, silu_and_mul_ref(x), bias)
+
+
+class PlainStandInMethod(DenseStandInMethod):
+    """The same method without the fused forms (as the methods that offer none)."""
+
+    apply_rms_norm = apply_silu_and_mul = None
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_quantized_layers_fuse_through_their_linear_method(rows, monkeypatch):
+    """Where the platform's fused gemv does not run (here: no ``rms_norm_gemv`` / ``silu_and_mul_gemv``
+    offered), a linear method's ``apply_rms_norm`` / ``apply_silu_and_mul`` take the norm and the SiLU
+    (``Linear.quant_fused``): at TP=2 rank by rank, each rank's fused result equals its separate ops',
+    down's bias reaches rank 0's method alone, down's output goes through the all-reduce once; a
+    method that declines (3 rows here) or has no fused forms leaves the ops apart."""
+    from runtime.distributed import parallel_state
+    from runtime.models.layers import MLP, RMSNorm, norm_into
+
+    size, inter, dtype = 64, 96, torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    whole = {name: (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype) for name, shape in
+             [("gate", (inter, size)), ("up", (inter, size)), ("down", (size, inter)), ("bias", (size,))]}
+    norm_weight = (torch.randn(size, generator=g) * 0.1 + 1).to(dtype)
+    x, residual = (torch.randn(rows, size, generator=g).to(dtype) for _ in range(2))
+
+    def rank_output(rank: int, method: DenseStandInMethod):
+        platform = CountingAllReduce()
+        monkeypatch.setattr(parallel_state, "_state", parallel_state.ParallelState(tp_rank=rank, tp_size=2, platform=platform))
+        with custom_ops_scope({n: op for n, op in REFERENCE_OPS.items() if n not in FUSED}):
+            norm, mlp = RMSNorm(size), MLP(size, inter, "silu", bias=True)
+        half = inter // 2
+        with torch.no_grad():
+            norm.weight.data = norm_weight.clone()
+            mlp.gate_up_proj.bias.data = torch.zeros(inter, dtype=dtype)
+            mlp.down_proj.bias.data = whole["bias"].clone()
+        mlp.gate_up_proj.dense = torch.cat([whole["gate"][rank * half:(rank + 1) * half],
+                                            whole["up"][rank * half:(rank + 1) * half]])
+        mlp.down_proj.dense = whole["down"][:, rank * half:(rank + 1) * half]
+        mlp.gate_up_proj.quant_method = mlp.down_proj.quant_method = method
+        gate_up, summed = norm_into(norm, mlp.gate_up_proj, x, residual)
+        return mlp.down(gate_up), summed, platform.num_calls
+
+    for rank in (0, 1):
+        calls: list = []
+        want, want_summed, _ = rank_output(rank, PlainStandInMethod(4, []))
+        have, have_summed, num_reduces = rank_output(rank, DenseStandInMethod(2, calls))
+        assert torch.equal(have, want) and torch.equal(have_summed, want_summed) and num_reduces == 1
+        fused = [("apply_rms_norm", True), ("apply_silu_and_mul", rank == 0)]  # gate_up's (zero) bias on both ranks
+        assert calls == (fused if rows <= 2 else []), (rank, calls)

@@ -50,14 +50,16 @@ class RMSNorm(nn.Module):
         self, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(linear(self(s)), s)`` with ``s = x + residual`` (``x`` without a residual) in one
-        ``rms_norm_gemv`` kernel, or None where the platform offers none or ``linear`` would not
-        run the one-row gemv (see :meth:`Linear.gemv_operands`). ``linear``'s input must be whole
+        ``rms_norm_gemv`` kernel, or one of ``linear``'s quantized kernels (:meth:`Linear.quant_fused`),
+        or None where the platform offers none or ``linear`` would not run the one-row gemv (see
+        :meth:`Linear.gemv_operands`) and its linear method fuses none. ``linear``'s input must be whole
         on every rank (replicated or column-parallel), as a norm's output is."""
         operands = None if self._rms_norm_gemv is None else linear.gemv_operands(x)
-        if operands is None:
-            return None
-        out, residual = self._rms_norm_gemv(x, residual, self.weight, self.eps, self.is_gemma, *operands)
-        return linear.reduce_output(out), residual
+        if operands is not None:
+            out, residual = self._rms_norm_gemv(x, residual, self.weight, self.eps, self.is_gemma, *operands)
+            return linear.reduce_output(out), residual
+        fused = linear.quant_fused("apply_rms_norm", x, residual, self.weight, self.eps, self.is_gemma)
+        return None if fused is None else (linear.reduce_output(fused[0]), fused[1])
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -136,13 +138,15 @@ class SiluAndMul(nn.Module):
         self._silu_and_mul_gemv = lookup("silu_and_mul_gemv")
 
     def fused_into(self, linear: Linear, x: torch.Tensor) -> torch.Tensor | None:
-        """``linear(self(x))`` in one ``silu_and_mul_gemv`` kernel, or None where the platform
-        offers none or ``linear`` would not run the one-row gemv (see :meth:`Linear.gemv_operands`).
+        """``linear(self(x))`` in one ``silu_and_mul_gemv`` kernel, or one of ``linear``'s quantized
+        kernels (:meth:`Linear.quant_fused`), or None where the platform offers none or ``linear``
+        would not run the one-row gemv (see :meth:`Linear.gemv_operands`) and its method fuses none.
         ``x`` [1, 2 * d] is this rank's ``[gate | up]``, whose ``d`` columns ``linear`` reads."""
         operands = None if self._silu_and_mul_gemv is None else linear.gemv_operands(x)
-        if operands is None:
-            return None
-        return linear.reduce_output(self._silu_and_mul_gemv(x, *operands))
+        if operands is not None:
+            return linear.reduce_output(self._silu_and_mul_gemv(x, *operands))
+        fused = linear.quant_fused("apply_silu_and_mul", x)
+        return None if fused is None else linear.reduce_output(fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., 2d] -> [..., d]
         if self._silu_and_mul is not None:

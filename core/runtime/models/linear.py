@@ -105,6 +105,14 @@ class Linear(nn.Linear):
         weights = None if gemv_weights is None else gemv_weights(self, x.dtype)
         return None if weights is None else (weights[0], self.rank_bias(), weights[1])
 
+    def quant_fused(self, name: str, x: torch.Tensor, *args):
+        """The linear method's fused form ``name`` of the op before this layer and the layer
+        (``apply_rms_norm`` / ``apply_silu_and_mul``, see :class:`runtime.quantization.LinearMethod`)
+        on ``x`` and ``args`` with this rank's bias, before :meth:`reduce_output`; None where the
+        layer is not quantized, its method has no such form or does not run it for ``x``."""
+        fused = None if self.quant_method is None else getattr(self.quant_method, name, None)
+        return None if fused is None else fused(self, x, *args, self.rank_bias())
+
     def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's part of the checkpoint's whole ``tensor`` into ``param_name``."""
         param = getattr(self, param_name)

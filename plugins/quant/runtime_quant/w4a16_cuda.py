@@ -1,13 +1,22 @@
 """The 4-bit GEMV in CUDA (``w4a16_gemv.cu``) for 1-4 rows: decode steps of small batches (and
-speculative verification) of GPTQ/AWQ/compressed-tensors layers, in packed half2 arithmetic (~2 instructions a weight against the Triton
-GEMV's ~5.6; on an H100 the four Llama-3-8B layer shapes take 1.95 ms a token in all, the Triton
-GEMV's 2.70). Compiled on its first call (an eager one: decode graphs are warmed before capture) by
-CuPy's NVRTC; without CuPy, or where it cannot compile, :func:`supports` is False and the Triton
-GEMV runs. ``RUNTIME_WNA16_CUDA_GEMV=0`` turns it off.
+speculative verification) of GPTQ/AWQ/compressed-tensors layers, in packed half2 arithmetic (~2
+instructions a weight against the Triton GEMV's ~5.6; on an H100 the four Llama-3-8B layer shapes
+take 1.95 ms a token in all, the Triton GEMV's 2.70).
+
+In one-row steps it also computes the RMSNorm or SiLU-and-mul before the layer as it reads its input
+(:func:`rms_norm_gemv`, :func:`silu_and_mul_gemv`), and is launched with programmatic dependent
+launch on sm_90+ (``cuLaunchKernelEx`` through ctypes): with the ops folded in, a layer's GEMVs
+follow one another, and each requests its first weights before the previous one ends (W3 4-bit on
+an H100: 2.96 ms a token against 3.10 without either; benchmarks/RESULTS.md).
+
+Compiled on its first call (an eager one: decode graphs are warmed before capture) by CuPy's NVRTC;
+without CuPy, or where it cannot compile, :func:`supports` is False and the Triton GEMV runs.
+``RUNTIME_WNA16_CUDA_GEMV=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -29,6 +38,16 @@ KERNEL_MAX_ROWS = 4  # rows of x a call can take (each word is dequantized once 
 # H100, Llama-3-8B's four linears x 32 layers at 4 rows: 3.25 ms against the Triton GEMV's 8.40 (benchmarks/RESULTS.md).
 MAX_ROWS = min(int(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", str(KERNEL_MAX_ROWS))), KERNEL_MAX_ROWS)
 KERNEL_TYPES = {torch.bfloat16: "w4a16::bf16", torch.float16: "w4a16::f16"}
+# The kernel's prologues (its template P): the op before the layer computed as x is read (decode steps), so
+# that a norm or the MLP's SiLU needs no launch of its own. RUNTIME_WNA16_CUDA_GEMV_PROLOGUES=0: ops apart.
+PLAIN, SILU_AND_MUL, RMS_NORM, GEMMA_RMS_NORM = 0, 1, 2, 3
+PROLOGUES = os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PROLOGUES", "1") != "0"
+PROLOGUE_MAX_ROWS = int(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PROLOGUE_MAX_ROWS", "1"))  # measured: 4 rows lose
+ONE_WAVE = os.environ.get("RUNTIME_WNA16_CUDA_GEMV_ONE_WAVE", "1") != "0"  # see column_blocks
+# Programmatic dependent launch on sm_90+ (the kernel's first weight loads overlap the previous kernel's end);
+# RUNTIME_WNA16_CUDA_GEMV_PDL=0: plain launches.
+PDL = os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PDL", "1") != "0"
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,50 @@ if (DEFAULT.columns, DEFAULT.min_blocks) not in {(v.columns, v.min_blocks) for v
                      f"min_blocks must be one of {[(v.columns, v.min_blocks) for v in VARIANTS]}")
 
 
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _launch_kernel_ex():
+    """The driver's ``cuLaunchKernelEx`` (CUDA 12+), or None."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _pdl_device(device_index: int) -> bool:
+    return PDL and torch.cuda.get_device_capability(device_index)[0] >= 9 and _launch_kernel_ex() is not None
+
+
+def _launch_pdl(kernel: Any, grid: tuple[int, int], args: tuple, shared_mem: int, stream: int) -> bool:
+    """Launch ``kernel`` (a CuPy function) with programmatic stream serialization; False where the
+    driver refuses (logged once; plain launches from then on)."""
+    global PDL
+    values = [ctypes.c_float(a) if isinstance(a, np.float32) else ctypes.c_int32(a) if isinstance(a, np.int32)
+              else ctypes.c_uint64(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(THREADS, 1, 1), shared_mem,
+                           stream, ctypes.pointer(attribute), 1)
+    result = _launch_kernel_ex()(ctypes.byref(config), kernel.ptr, params, None) if hasattr(kernel, "ptr") else -1
+    if result != 0:
+        logger.warning("cuLaunchKernelEx with programmatic dependent launch failed (CUresult %d); plain launches", result)
+        PDL = False
+        _pdl_device.cache_clear()
+    return result == 0
+
+
 class _Stream:
     """What CuPy's kernel launch reads of a stream: its handle, ``ptr``."""
 
@@ -68,15 +131,16 @@ class _Stream:
 
 @functools.cache
 def kernels(device_index: int, columns: int = DEFAULT.columns, min_blocks: int = DEFAULT.min_blocks,
-            rows: int = 1) -> dict[torch.dtype, Any] | None:
-    """One variant's kernel for ``rows`` rows per activation dtype, compiled and loaded for this GPU
-    (only what is used is compiled; CuPy keeps the binaries on disk for later starts), or None
-    (logged once)."""
+            rows: int = 1, prologue: int = PLAIN) -> dict[torch.dtype, Any] | None:
+    """One variant's kernel for ``rows`` rows and ``prologue`` per activation dtype, compiled and
+    loaded for this GPU (only what is used is compiled; CuPy keeps the binaries on disk for later
+    starts), or None (logged once)."""
     try:
         import cupy
 
         source = (files("runtime_quant") / "w4a16_gemv.cu").read_text()
-        names = {dtype: f"w4a16::gemv<{name}, {columns}, {min_blocks}, {rows}>" for dtype, name in KERNEL_TYPES.items()}
+        names = {dtype: f"w4a16::gemv<{name}, {columns}, {min_blocks}, {rows}, {prologue}>"
+                 for dtype, name in KERNEL_TYPES.items()}
         with cupy.cuda.Device(device_index):
             module = cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=list(names.values()))
             return {dtype: module.get_function(name).kernel for dtype, name in names.items()}
@@ -89,37 +153,71 @@ def _aligned(t: torch.Tensor, nbytes: int) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % nbytes == 0 and (t.stride(0) * t.element_size()) % nbytes == 0
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def column_blocks(runs: int, blocks_k: int, min_blocks: int, device_index: int) -> int:
+    """Blocks along N for ``runs`` column runs: all of them where the GPU holds the whole grid at once
+    (``min_blocks`` a multiprocessor), else as few rounds of runs per block as fit in one wave, the runs
+    spread evenly (each block prepares its rows of x once for all its runs). RUNTIME_WNA16_CUDA_GEMV_ONE_WAVE=0:
+    a block per run."""
+    resident = _num_sms(device_index) * min_blocks
+    if not ONE_WAVE or runs * blocks_k <= resident:
+        return runs
+    rounds = -(-runs * blocks_k // resident)
+    return -(-runs // rounds)
+
+
 def variant_for(rows: int) -> Variant:
     return DEFAULT if rows == 1 else MULTI_ROW
 
 
-def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor) -> bool:
-    """Whether the CUDA kernel runs ``x`` [1-4, K] through ``layer``: 4 bits, a 16-bit float ``x``,
-    K a multiple of 128, groups of a multiple of 128 rows (or one group), N a multiple of 4, and
-    rows of the packed tensors aligned for vector loads."""
+def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor, prologue: int = PLAIN) -> bool:
+    """Whether the CUDA kernel runs ``x`` [1-4, K] ([1-4, 2 K] = [gate | up] with SILU_AND_MUL)
+    through ``layer``: 4 bits, a 16-bit float ``x``, K a multiple of 128, groups of a multiple of
+    128 rows (or one group), N a multiple of 4, and rows of the packed tensors aligned for vector
+    loads."""
     k, n = layer.in_features, layer.qweight.shape[1]
     group = layer.quant_group_rows
     return (
         ENABLED
+        and (prologue == PLAIN or (PROLOGUES and x.shape[0] <= PROLOGUE_MAX_ROWS))
         and bits == 4
+        and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and x.dtype in KERNEL_TYPES
         and x.device.type == "cuda"
         and k % CHUNK_ROWS == 0
-        and x.shape[1] == k
+        and x.shape[1] == (2 * k if prologue == SILU_AND_MUL else k)
         and (group % CHUNK_ROWS == 0 or group >= k)
         and n % 4 == 0
         and x.is_contiguous() and x.data_ptr() % 16 == 0
         and _aligned(layer.qweight, 16) and _aligned(layer.scales, 16) and _aligned(layer.zeros, 4)
         and kernels(x.device.index if x.device.index is not None else torch.cuda.current_device(),
-                    variant_for(x.shape[0]).columns, variant_for(x.shape[0]).min_blocks, x.shape[0]) is not None
+                    variant_for(x.shape[0]).columns, variant_for(x.shape[0]).min_blocks, x.shape[0], prologue) is not None
+    )
+
+
+def norm_operands_fit(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor) -> bool:
+    """Whether a norm prologue can read ``residual`` (x's shape) and ``norm_weight`` [K] as it reads ``x``."""
+    return (
+        norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype and norm_weight.device == x.device
+        and norm_weight.is_contiguous() and norm_weight.data_ptr() % 16 == 0
+        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+                                  and residual.is_contiguous() and residual.data_ptr() % 16 == 0))
     )
 
 
 def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, locks: torch.Tensor,
-         variant: Variant | None = None) -> torch.Tensor:
-    """``x`` [M <= KERNEL_MAX_ROWS, K] (contiguous) @ the layer's weights (+ ``bias``) -> [M, N] in ``x``'s dtype.
-    ``locks``: int32 counters, zero, at least one per block of columns (the kernel leaves them zero)."""
+         variant: Variant | None = None, prologue: int = PLAIN, residual: torch.Tensor | None = None,
+         norm_weight: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """``x`` [M <= KERNEL_MAX_ROWS, K] (contiguous) @ the layer's weights (+ ``bias``) -> [M, N] in ``x``'s dtype,
+    ``x`` first put through ``prologue``: SILU_AND_MUL takes ``x`` [M, 2 K] = [gate | up]; the norms
+    ``rms_norm(x + residual, norm_weight, eps)`` (``residual`` may be None), writing ``x + residual`` into
+    ``residual_out`` (or not, None). ``locks``: int32 counters, zero, at least one per block of columns (the
+    kernel leaves them zero)."""
     rows = x.shape[0]
     variant = variant or variant_for(rows)
     qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
@@ -127,8 +225,9 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
     num_chunks = k // CHUNK_ROWS
     chunks_per_block = min(variant.chunks_per_block, num_chunks)
     assert 0 < chunks_per_block <= MAX_CHUNKS_PER_BLOCK
-    grid = (-(-n // variant.block_columns), -(-num_chunks // chunks_per_block))
-    assert grid[0] <= locks.numel()
+    runs, blocks_k = -(-n // variant.block_columns), -(-num_chunks // chunks_per_block)
+    grid = (column_blocks(runs, blocks_k, variant.min_blocks, x.device.index), blocks_k)
+    assert runs <= locks.numel()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     parts = torch.empty(grid[1], rows, n, dtype=torch.float32, device=x.device) if grid[1] > 1 else out
     if bias is not None:
@@ -138,13 +237,41 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
         bias.data_ptr() if bias is not None else 0, out.data_ptr(), parts.data_ptr(), locks.data_ptr(),
         np.int32(n), np.int32(k), np.int32(min(layer.quant_group_rows, k)), np.int32(chunks_per_block),
         np.int32(qweight.stride(0)), np.int32(scales.stride(0)), np.int32(zeros.stride(0)), np.int32(bias is not None),
+        np.int32(x.stride(0)), residual.data_ptr() if residual is not None else 0,
+        norm_weight.data_ptr() if norm_weight is not None else 0,
+        residual_out.data_ptr() if residual_out is not None else 0, np.float32(eps),
     )
-    kernel = kernels(x.device.index, variant.columns, variant.min_blocks, rows)[x.dtype]
-    launch = functools.partial(kernel, grid, (THREADS,), args, shared_mem=rows * chunks_per_block * CHUNK_ROWS * 2,
-                               stream=_Stream(torch.cuda.current_stream(x.device).cuda_stream))
+    kernel = kernels(x.device.index, variant.columns, variant.min_blocks, rows, prologue)[x.dtype]
+    shared_mem = rows * chunks_per_block * CHUNK_ROWS * 2
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+
+    def launch():
+        # PDL where the GEMVs of a layer follow one another (one row, prologues on); measured to lose at 4 rows
+        overlap = prologue != PLAIN or (PROLOGUES and rows <= PROLOGUE_MAX_ROWS)
+        if not (overlap and _pdl_device(x.device.index) and _launch_pdl(kernel, grid, args, shared_mem, stream)):
+            kernel(grid, (THREADS,), args, shared_mem=shared_mem, stream=_Stream(stream))
+
     if torch.cuda.current_device() == x.device.index:
         launch()
     else:  # a thread whose current device is another: launch in this GPU's context
         with torch.cuda.device(x.device):
             launch()
     return out
+
+
+def silu_and_mul_gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                      locks: torch.Tensor) -> torch.Tensor:
+    """``gemv(silu_and_mul(x))`` in one launch: ``x`` [M, 2 K] = [gate | up], the activation rounded to
+    ``x``'s dtype as ``runtime_kernels.activation.silu_and_mul`` rounds it."""
+    return gemv(layer, x, bias, locks, prologue=SILU_AND_MUL)
+
+
+def rms_norm_gemv(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                  eps: float, gemma: bool, bias: torch.Tensor | None,
+                  locks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemv(rms_norm(s, norm_weight, eps, gemma)), s)`` in one launch, ``s = x + residual`` (``x`` itself
+    without a residual; else a new tensor), both rounded as ``runtime_kernels.norm`` rounds them."""
+    summed = x if residual is None else torch.empty_like(x)
+    out = gemv(layer, x, bias, locks, prologue=GEMMA_RMS_NORM if gemma else RMS_NORM, residual=residual,
+               norm_weight=norm_weight, residual_out=None if residual is None else summed, eps=eps)
+    return out, summed

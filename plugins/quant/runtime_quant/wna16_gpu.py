@@ -123,6 +123,26 @@ def wna16_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.T
     return out
 
 
+def silu_and_mul_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``wna16_gemv(layer, bits, silu_and_mul(x), bias)`` in one CUDA launch for ``x`` [1-4, 2 K] =
+    [gate | up], or None where the CUDA GEMV does not run it (shapes, dtype, device)."""
+    if not w4a16_cuda.supports(layer, bits, x, w4a16_cuda.SILU_AND_MUL):
+        return None
+    return w4a16_cuda.silu_and_mul_gemv(layer, x, bias, _locks(x.device))
+
+
+def rms_norm_gemv(layer: torch.nn.Module, bits: int, x: torch.Tensor, residual: torch.Tensor | None,
+                  norm_weight: torch.Tensor, eps: float, gemma: bool,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(wna16_gemv(layer, bits, rms_norm(s)), s)`` with ``s = x + residual`` in one CUDA launch for
+    ``x`` [1-4, K], or None where the CUDA GEMV does not run it."""
+    prologue = w4a16_cuda.GEMMA_RMS_NORM if gemma else w4a16_cuda.RMS_NORM
+    if not (w4a16_cuda.supports(layer, bits, x, prologue) and w4a16_cuda.norm_operands_fit(x, residual, norm_weight)):
+        return None
+    return w4a16_cuda.rms_norm_gemv(layer, x, residual, norm_weight, eps, gemma, bias, _locks(x.device))
+
+
 def wna16_gemm(layer: torch.nn.Module, bits: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     from runtime_quant.jit_wna16 import wna16_gemm_kernel
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime_quant import wna16_gpu
 from runtime_quant.packing import awq_to_sequential, pack, unpack
 from runtime_quant.wna16_kernels import select_wna16_kernel
 from runtime_quant.wna16_scheme import WNA16Scheme
@@ -196,3 +197,19 @@ class WNA16LinearMethod:
         if perm is not None:
             x = x.index_select(-1, perm)
         return layer.quant_kernel.run(layer, x, bias)
+
+    # The op before the layer fused into its decode GEMV (see runtime.quantization.LinearMethod): on a
+    # GPU, 4-bit layers of up to 4 rows without act-order; None elsewhere (the ops run apart).
+    def _fuses(self, layer: nn.Module) -> bool:
+        return getattr(layer, "perm", None) is None and layer.quant_kernel.name == "triton_wna16"
+
+    def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, gemma: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._fuses(layer):
+            return None
+        return wna16_gpu.rms_norm_gemv(layer, self.scheme.bits, x, residual, norm_weight, eps, gemma, bias)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        if not self._fuses(layer):
+            return None
+        return wna16_gpu.silu_and_mul_gemv(layer, self.scheme.bits, x, bias)

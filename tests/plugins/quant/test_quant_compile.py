@@ -20,19 +20,23 @@ def test_quant_kernels_compile_for_sm90():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
 def test_cuda_gemv_compiles_for_sm90_without_spills(tmp_path):
-    """Every variant of the CUDA 4-bit GEMV for one row, and the multi-row one for 2-4 rows (both
-    activation dtypes), compiles for sm_90, and ptxas keeps it in registers: a spill would put the
-    weights in flight into local memory."""
+    """Every variant of the CUDA 4-bit GEMV for one row, and the multi-row one for 2-4 rows, each
+    with every prologue the engine uses (both activation dtypes), compiles for sm_90, and ptxas keeps
+    it in registers: a spill would put the weights in flight into local memory."""
     from runtime_quant import w4a16_cuda
 
     source = tmp_path / "instances.cu"
     lines = [f'#include "{os.path.join(os.path.dirname(w4a16_cuda.__file__), "w4a16_gemv.cu")}"']
-    shapes = [(v, 1) for v in w4a16_cuda.VARIANTS] + [(w4a16_cuda.MULTI_ROW, rows) for rows in range(2, w4a16_cuda.KERNEL_MAX_ROWS + 1)]
+    prologues = (w4a16_cuda.PLAIN, w4a16_cuda.SILU_AND_MUL, w4a16_cuda.RMS_NORM, w4a16_cuda.GEMMA_RMS_NORM)
+    shapes = ([(v, 1, w4a16_cuda.PLAIN) for v in w4a16_cuda.VARIANTS]
+              + [(w4a16_cuda.DEFAULT, 1, p) for p in prologues[1:]]
+              + [(w4a16_cuda.MULTI_ROW, rows, p) for rows in range(2, w4a16_cuda.KERNEL_MAX_ROWS + 1) for p in prologues])
     for name in w4a16_cuda.KERNEL_TYPES.values():
-        for v, rows in shapes:
-            lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}, {rows}>(const {name}*, "
+        for v, rows, p in shapes:
+            lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}, {rows}, {p}>(const {name}*, "
                          "const unsigned int*, const float*, const unsigned char*, const " + name + "*, " + name + "*, "
-                         "float*, int*, int, int, int, int, int, int, int, int);")
+                         f"float*, int*, int, int, int, int, int, int, int, int, int, const {name}*, const {name}*, {name}*, "
+                         "float);")
     source.write_text("\n".join(lines) + "\n")
     result = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                              str(source)], capture_output=True, text=True, timeout=300)

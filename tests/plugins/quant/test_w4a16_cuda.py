@@ -4,12 +4,14 @@ GPU only: the kernel is CUDA C compiled by NVRTC. Shapes cover one and several 1
 per block, blocks along K (the partial sums and the last block's ordered sum), N not a multiple
 of the 128-column block, groups of 128 and 256 rows and one group, bias, both 16-bit dtypes,
 activations far outside half's range (the power-of-two scaling), CUDA-graph replays (the
-counters reset themselves), and the routing of one-row calls through the Triton entry point.
+counters reset themselves), the routing of one-row calls through the Triton entry point, and
+the prologues (SiLU-and-mul, RMSNorm) against the separate ops.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -125,6 +127,78 @@ def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
         graph.replay()
         expected = _reference(layer, scheme, x, None)
         torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+    if torch.cuda.get_device_capability()[0] >= 9 and os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PDL", "1") != "0":
+        assert w4a16_cuda.PDL, "the driver refused the programmatic dependent launch"
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("sms", [1, 3])
+@pytest.mark.parametrize("k,n", [(1024, 1000), (4096, 1000), (14336, 520)])
+def test_cuda_gemv_blocks_of_several_column_runs(rows, sms, k, n, monkeypatch):
+    """A grid larger than the GPU holds at once becomes one wave of blocks that take several column runs
+    each (here: the GPU made to look like 1 or 3 multiprocessors), with the next run's first chunk loaded
+    during the last, the partial sums and counters per run; also the last run partial, with a norm
+    prologue (x prepared once a block), and under a graph replayed twice (the counters reset)."""
+    from runtime_kernels.norm import rms_norm_ref
+    from runtime_quant import w4a16_cuda, wna16_gpu
+
+    monkeypatch.setattr(w4a16_cuda, "_num_sms", lambda index: sms)
+    monkeypatch.setattr(w4a16_cuda, "PROLOGUE_MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)
+    variant = w4a16_cuda.variant_for(rows)
+    runs = -(-n // variant.block_columns)
+    assert w4a16_cuda.column_blocks(runs, -(-k // 128 // variant.chunks_per_block), variant.min_blocks, 0) < runs
+    layer, scheme = make_layer(4, 128, k, n, device="cuda", seed=k + n + sms)
+    g = torch.Generator().manual_seed(rows + sms)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
+    norm_weight = (torch.randn(k, generator=g) * 0.1 + 1).to(torch.bfloat16).cuda()
+    out = w4a16_cuda.gemv(layer, x, None, wna16_gpu._locks(x.device))
+    expected = _reference(layer, scheme, x, None)
+    torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+    wna16_gpu.rms_norm_gemv(layer, 4, x, None, norm_weight, 1e-6, False, None)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        normed, _ = wna16_gpu.rms_norm_gemv(layer, 4, x, None, norm_weight, 1e-6, False, None)
+    for _ in range(2):
+        graph.replay()
+        expected = _reference(layer, scheme, rms_norm_ref(x, norm_weight, 1e-6), None)
+        torch.testing.assert_close(normed.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("prologue", ["silu", "rms", "rms-residual", "gemma-residual"])
+@pytest.mark.parametrize("k,n", [(4096, 640), (1024, 200)])  # 2 blocks along K (block (0, 0) writes all of s), 1
+def test_cuda_gemv_prologues_match_the_separate_ops(rows, prologue, k, n, monkeypatch):
+    """The op before the layer computed in the kernel's prologue (SiLU-and-mul, RMSNorm with and
+    without a residual, Gemma's RMSNorm) against the separate ops' torch references, then the layer;
+    the norm's ``x + residual`` comes back exact, the inputs untouched; 5 rows are not fused."""
+    from runtime_kernels.activation import silu_and_mul_ref
+    from runtime_kernels.norm import rms_norm_ref
+    from runtime_quant import w4a16_cuda, wna16_gpu
+
+    monkeypatch.setattr(w4a16_cuda, "PROLOGUE_MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)  # the kernel's 2-4 rows too
+    dtype = torch.bfloat16
+    layer, scheme = make_layer(4, 128, k, n, device="cuda", seed=k + rows)
+    g = torch.Generator().manual_seed(rows * k)
+    x = (torch.randn(rows, 2 * k if prologue == "silu" else k, generator=g) * 3).to(dtype).cuda()
+    residual = torch.randn(rows, k, generator=g).to(dtype).cuda() if "residual" in prologue else None
+    gemma = prologue.startswith("gemma")
+    norm_weight = (torch.randn(k, generator=g) * 0.2 + (0.0 if gemma else 1.0)).to(dtype).cuda()
+    bias = torch.randn(n, generator=g).to(dtype).cuda()
+    inputs = [t.clone() for t in (x, residual) if t is not None]
+    if prologue == "silu":
+        op_out = silu_and_mul_ref(x)
+        out = wna16_gpu.silu_and_mul_gemv(layer, 4, x, bias)
+        assert wna16_gpu.silu_and_mul_gemv(layer, 4, torch.cat([x] * 5)[:5], bias) is None
+    else:
+        summed = x if residual is None else x + residual
+        op_out = rms_norm_ref(summed, norm_weight, 1e-6, gemma)
+        out, have_summed = wna16_gpu.rms_norm_gemv(layer, 4, x, residual, norm_weight, 1e-6, gemma, bias)
+        assert torch.equal(have_summed, summed) and (residual is not None or have_summed is x)
+        assert wna16_gpu.rms_norm_gemv(layer, 4, torch.cat([x] * 5)[:5], None, norm_weight, 1e-6, gemma, bias) is None
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (t for t in (x, residual) if t is not None)))
+    expected = _reference(layer, scheme, op_out, bias)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
 
 
 @pytest.mark.parametrize("graphs,tp,together", [(True, 1, False), (False, 1, False), (True, 2, False), (True, 1, True)],
@@ -155,7 +229,8 @@ def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, tog
     del reference
     calls = []
     original = w4a16_cuda.gemv
-    monkeypatch.setattr(w4a16_cuda, "gemv", lambda *args, **kw: calls.append(1) or original(*args, **kw))
+    monkeypatch.setattr(w4a16_cuda, "gemv", lambda *args, **kw: calls.append(kw.get("prologue", w4a16_cuda.PLAIN))
+                        or original(*args, **kw))
     llm = LLM(path, platform="cuda", dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=not graphs,
               cuda_graph_sizes=[1, 2, 4], kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5, detokenize=False)
@@ -167,6 +242,9 @@ def test_bf16_gptq_model_decodes_through_the_cuda_gemv(tmp_path, graphs, tp, tog
         check_logprobs_close_until_divergence(ref_tokens, ref_steps, out.token_ids, out.logprobs, atol=0.1,
                                               label=f"gptq 4-bit bf16 {'batch 3' if together else 'batch 1'}")
     if tp == 1:  # the workers of TP=2 are other processes
-        assert calls, "no projection took the CUDA GEMV"
+        # every linear of a one-row decode step: qkv and gate_up with their norm, down with the SiLU, o plain
+        # (steps of 3 rows run the ops apart: PROLOGUE_MAX_ROWS)
+        assert w4a16_cuda.PLAIN in calls, calls
+        assert together or {w4a16_cuda.RMS_NORM, w4a16_cuda.SILU_AND_MUL} <= set(calls), calls
     else:
         llm.llm_engine.engine_core.shutdown()
