@@ -1,8 +1,8 @@
 """4-bit weight-only checkpoints with the engine's features: a GPTQ checkpoint with act-order (the
 input permutation too) and a GGUF file kept packed (``--quantization gguf``), through
 ``runtime.LLM`` with prefix caching, chunked prefill on a tiny budget, forced preemption, the
-asynchronous pipeline with preemption and with chunked prefix caching, and two greedy samples a
-prompt (n=2). Greedy tokens must equal the reference's: transformers' model with the GPTQ weights
+asynchronous pipeline with preemption and with chunked prefix caching, two greedy samples a
+prompt (n=2), and ngram speculative decoding (the drafts verified through the packed layers). Greedy tokens must equal the reference's: transformers' model with the GPTQ weights
 dequantized, and the GGUF file dequantized at load (both compute in float32).
 """
 
@@ -15,10 +15,16 @@ from wna16_checkpoints import dequantized_reference, write_gptq_checkpoint
 
 from runtime import LLM, SamplingParams
 from runtime.testing.conformance import SETTINGS
+from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE
 from runtime.testing.reference import check_outputs_equal, hf_greedy, make_prompts
 
+from spec_decode.engine_runs import repetitive_prompts, spec_counts
+
 NUM_NEW_TOKENS = 12
-FEATURES = ["prefix_caching", "chunked_prefill", "preemption", "async_preemption", "async_chunked_prefix", "n2"]
+NGRAM = dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                 "prompt_lookup_max": 3})
+FEATURES = {**{name: SETTINGS[name] for name in ("prefix_caching", "chunked_prefill", "preemption", "async_preemption",
+                                                 "async_chunked_prefix")}, "n2": {}, "ngram": NGRAM}
 
 
 def generate(llm: LLM, prompts, n: int = 1) -> list[list[list[int]]]:
@@ -33,7 +39,7 @@ def sources(float_checkpoints, tmp_path_factory):
     import gguf
     from spec_decode.gguf_models import write_qwen2_gguf
 
-    prompts = make_prompts()
+    prompts = make_prompts()[:3] + repetitive_prompts(UNTOKENIZED_VOCAB_SIZE)  # the latter for ngram to find
     src = float_checkpoints("llama")
     gptq, real = write_gptq_checkpoint(src, str(tmp_path_factory.mktemp("gptq") / "q"), 4, 64, act_order=True)
     gptq_expected = [tokens for tokens, _ in hf_greedy(dequantized_reference(src, real), prompts, NUM_NEW_TOKENS)]
@@ -46,13 +52,12 @@ def sources(float_checkpoints, tmp_path_factory):
     return {"gptq": (gptq, None, gptq_expected), "gguf": (path, "gguf", gguf_expected)}, prompts
 
 
-@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("source", ["gptq", "gguf"])
 def test_greedy_tokens_with_engine_features(sources, source, feature):
     by_name, prompts = sources
     path, quantization, expected = by_name[source]
-    settings = SETTINGS.get(feature, {})
-    llm = LLM(path, dtype="float32", quantization=quantization, skip_tokenizer_init=True, **settings)
+    llm = LLM(path, dtype="float32", quantization=quantization, skip_tokenizer_init=True, **FEATURES[feature])
     packed = [m for m in llm.llm_engine.engine_core.executor.worker.model_runner.model.modules()
               if getattr(m, "quant_method", None) is not None]
     assert packed, f"{source}: no layer kept its quantized weights"
@@ -67,5 +72,7 @@ def test_greedy_tokens_with_engine_features(sources, source, feature):
         assert scheduler.kv_cache_manager.stats.hits > 0, label
     if "preemption" in feature:
         assert scheduler.num_preemptions > 0, label
+    if feature == "ngram":
+        assert spec_counts(llm)[0] > 0, f"{label}: no draft was verified"
     del llm
     gc.collect()
