@@ -4,8 +4,8 @@ instructions a weight against the Triton GEMV's ~5.6; on an H100 the four Llama-
 take 1.95 ms a token in all, the Triton GEMV's 2.70).
 
 In one-row steps it also computes the RMSNorm or SiLU-and-mul before the layer as it reads its input
-(:func:`rms_norm_gemv`, :func:`silu_and_mul_gemv`), and is launched with programmatic dependent
-launch on sm_90+ (``cuLaunchKernelEx`` through ctypes): with the ops folded in, a layer's GEMVs
+(:func:`rms_norm_gemv`, :func:`silu_and_mul_gemv`), and in CUDA graphs is launched with programmatic
+dependent launch on sm_90+ (``cuLaunchKernelEx`` through ctypes): with the ops folded in, a layer's GEMVs
 follow one another, and each requests its first weights before the previous one ends (W3 4-bit on
 an H100: 2.96 ms a token against 3.10 without either; benchmarks/RESULTS.md).
 
@@ -246,8 +246,9 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
     stream = torch.cuda.current_stream(x.device).cuda_stream
 
     def launch():
-        # PDL where the GEMVs of a layer follow one another (one row, prologues on); measured to lose at 4 rows
-        overlap = prologue != PLAIN or (PROLOGUES and rows <= PROLOGUE_MAX_ROWS)
+        # PDL where the GEMVs of a layer follow one another (one row, prologues on; measured to lose at 4 rows),
+        # in CUDA graphs: an eager step is bound by its launches, which PDL's ctypes path makes slower
+        overlap = (prologue != PLAIN or (PROLOGUES and rows <= PROLOGUE_MAX_ROWS)) and torch.cuda.is_current_stream_capturing()
         if not (overlap and _pdl_device(x.device.index) and _launch_pdl(kernel, grid, args, shared_mem, stream)):
             kernel(grid, (THREADS,), args, shared_mem=shared_mem, stream=_Stream(stream))
 
