@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime_quant.gguf_blocks import BlockType
+from runtime_quant.settings import env_int
 from runtime_quant.wna16_gpu import GemvConfig, _cdiv, _locks, _num_sms  # the 4/8-bit GEMV's knobs and counters
 from runtime_quant.wna16_gpu import scratch as _scratch  # one layer's dequantized weights, shared with the 4/8-bit layers
 
@@ -25,7 +26,7 @@ GEMV_MAX_ROWS = 4
 # the largest layer's weights in the activations' dtype, reused by every layer) and multiplied by
 # cuBLAS, instead of the fused GEMM. Provisional: to be set from ``plugins/quant/bench/gguf_gpu.py``
 # (its table compares both paths at 16 and 256 rows); RUNTIME_GGUF_DEQUANT_MIN_ROWS overrides.
-DEQUANT_MIN_ROWS = int(os.environ.get("RUNTIME_GGUF_DEQUANT_MIN_ROWS", "128"))
+DEQUANT_MIN_ROWS = env_int("RUNTIME_GGUF_DEQUANT_MIN_ROWS", 128, 1)
 # Triton's interpreter turns float32 into bfloat16 wrongly inside a kernel: there the GEMM
 # multiplies in float32 (as runtime_quant.wna16_gpu does).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -27,26 +27,28 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime_quant.settings import env_flag, env_int
+
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("RUNTIME_WNA16_CUDA_GEMV", "1") != "0"
+ENABLED = env_flag("RUNTIME_WNA16_CUDA_GEMV")
 THREADS = 256  # kThreads
 CHUNK_ROWS = 128  # kChunkRows: the input rows a warp takes at a time
 MAX_CHUNKS_PER_BLOCK = 16  # a block's rows of x: one 8-row word row a thread
 KERNEL_MAX_ROWS = 4  # rows of x a call can take (each word is dequantized once for all of them)
 # The rows the engine sends it (RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS=1 keeps 2-4 rows on the Triton GEMV). On an
 # H100, Llama-3-8B's four linears x 32 layers at 4 rows: 3.25 ms against the Triton GEMV's 8.40 (benchmarks/RESULTS.md).
-MAX_ROWS = min(int(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", str(KERNEL_MAX_ROWS))), KERNEL_MAX_ROWS)
+MAX_ROWS = env_int("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", KERNEL_MAX_ROWS, 1, KERNEL_MAX_ROWS)
 KERNEL_TYPES = {torch.bfloat16: "w4a16::bf16", torch.float16: "w4a16::f16"}
 # The kernel's prologues (its template P): the op before the layer computed as x is read (decode steps), so
 # that a norm or the MLP's SiLU needs no launch of its own. RUNTIME_WNA16_CUDA_GEMV_PROLOGUES=0: ops apart.
 PLAIN, SILU_AND_MUL, RMS_NORM, GEMMA_RMS_NORM = 0, 1, 2, 3
-PROLOGUES = os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PROLOGUES", "1") != "0"
-PROLOGUE_MAX_ROWS = int(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PROLOGUE_MAX_ROWS", "1"))  # measured: 4 rows lose
-ONE_WAVE = os.environ.get("RUNTIME_WNA16_CUDA_GEMV_ONE_WAVE", "1") != "0"  # see column_blocks
+PROLOGUES = env_flag("RUNTIME_WNA16_CUDA_GEMV_PROLOGUES")
+PROLOGUE_MAX_ROWS = env_int("RUNTIME_WNA16_CUDA_GEMV_PROLOGUE_MAX_ROWS", 1, 0, KERNEL_MAX_ROWS)  # measured: 4 rows lose
+ONE_WAVE = env_flag("RUNTIME_WNA16_CUDA_GEMV_ONE_WAVE")  # see column_blocks
 # Programmatic dependent launch on sm_90+ (the kernel's first weight loads overlap the previous kernel's end);
 # RUNTIME_WNA16_CUDA_GEMV_PDL=0: plain launches.
-PDL = os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PDL", "1") != "0"
+PDL = env_flag("RUNTIME_WNA16_CUDA_GEMV_PDL")
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -68,12 +70,25 @@ VARIANTS = (Variant(4, 2), Variant(4, 1), Variant(2, 2), Variant(2, 3))
 # The default: 2 columns a lane, 3 blocks an SM, 16 chunks a block had the lowest sum over Llama-3-8B's
 # four layer shapes on an H100 (plugins/quant/bench/wna16_gpu.py --one-row; benchmarks/RESULTS.md).
 # RUNTIME_WNA16_CUDA_GEMV_VARIANT="columns,min_blocks,chunks_per_block" picks another (benchmarks).
-DEFAULT = Variant(*map(int, os.environ.get("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "2,3,16").split(",")))
+
+
+def _variant_setting(text: str) -> Variant:
+    """RUNTIME_WNA16_CUDA_GEMV_VARIANT's "columns,min_blocks,chunks_per_block", checked."""
+    shapes = [(v.columns, v.min_blocks) for v in VARIANTS]
+    fields = text.split(",")
+    if len(fields) != 3 or not all(f.strip().isdigit() for f in fields):
+        raise ValueError(f"RUNTIME_WNA16_CUDA_GEMV_VARIANT={text!r}: it takes columns,min_blocks,chunks_per_block "
+                         f"(e.g. 2,3,16)")
+    variant = Variant(*map(int, fields))
+    if (variant.columns, variant.min_blocks) not in shapes or not 1 <= variant.chunks_per_block <= MAX_CHUNKS_PER_BLOCK:
+        raise ValueError(f"RUNTIME_WNA16_CUDA_GEMV_VARIANT={text!r}: columns,min_blocks must be one of {shapes} and "
+                         f"chunks_per_block from 1 to {MAX_CHUNKS_PER_BLOCK}")
+    return variant
+
+
+DEFAULT = _variant_setting(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "2,3,16"))
 # Several rows keep more sums in registers: 2 blocks an SM (128 registers) hold 4 rows without spills.
 MULTI_ROW = Variant(2, 2, 16)
-if (DEFAULT.columns, DEFAULT.min_blocks) not in {(v.columns, v.min_blocks) for v in VARIANTS}:
-    raise ValueError(f"RUNTIME_WNA16_CUDA_GEMV_VARIANT={DEFAULT.columns},{DEFAULT.min_blocks},...: columns and "
-                     f"min_blocks must be one of {[(v.columns, v.min_blocks) for v in VARIANTS]}")
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from runtime_quant import w4a16_cuda
+from runtime_quant.settings import env_int
 
 GEMV_MAX_ROWS = 4
 # From this many rows: dequantize into the one-layer scratch, then cuBLAS. Provisional, from GGUF's
 # H100 table (the same trade: 2 bytes a weight written and read back against a fused GEMM 3-5x
 # slower than cuBLAS at 64-256 rows); RUNTIME_WNA16_DEQUANT_MIN_ROWS overrides.
-DEQUANT_MIN_ROWS = int(os.environ.get("RUNTIME_WNA16_DEQUANT_MIN_ROWS", "128"))
+DEQUANT_MIN_ROWS = env_int("RUNTIME_WNA16_DEQUANT_MIN_ROWS", 128, 1)
 # Triton's interpreter turns float32 into bfloat16 wrongly inside a kernel (values ~1e10):
 # there the GEMM multiplies in float32. Compiled kernels convert.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

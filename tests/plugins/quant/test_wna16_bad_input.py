@@ -3,6 +3,10 @@ or tensor and what is supported / expected."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_quant_bad_input import edit_config, edit_tensors, load
@@ -137,3 +141,18 @@ def test_act_order_fused_projections_with_different_orders(float_checkpoint, tmp
                                          r"\(act-order\), symmetric: the projections fused into this layer have "
                                          r"different g_idx"):
         load(path)
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", "x", "'x' is not an integer; it takes an integer from 1 to 4"),
+    ("RUNTIME_WNA16_CUDA_GEMV_PROLOGUE_MAX_ROWS", "9", "=9 is out of range; it takes an integer from 0 to 4"),
+    ("RUNTIME_WNA16_CUDA_GEMV_PDL", "yes", "'yes': it takes 0 (off) or 1 (on)"),
+    ("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "3,3,16", "columns,min_blocks must be one of [(4, 2), (4, 1), (2, 2), (2, 3)]"),
+    ("RUNTIME_WNA16_DEQUANT_MIN_ROWS", "0", "=0 is out of range; it takes an integer >= 1"),
+])
+def test_bad_kernel_settings_name_the_variable_and_what_it_takes(name, value, message):
+    """The plugin's environment settings are read at import: a bad value stops it with an error that
+    names the variable, the value and what it takes (not a bare int() failure)."""
+    result = subprocess.run([sys.executable, "-c", "import runtime_quant.wna16_gpu"], capture_output=True, text=True,
+                            env={**os.environ, name: value}, timeout=120)
+    assert result.returncode != 0 and f"ValueError: {name}" in result.stderr and message in result.stderr, result.stderr

@@ -1,0 +1,31 @@
+"""The quant plugin's environment settings (kernel switches and thresholds for benchmarks and
+workarounds), read once at import; a bad value is an error naming the variable and what it takes."""
+
+from __future__ import annotations
+
+import os
+
+
+def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    """The integer in ``name`` (``default`` when unset), between ``low`` and ``high`` (inclusive)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    valid = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer; it takes {valid}") from None
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}={value} is out of range; it takes {valid}")
+    return value
+
+
+def env_flag(name: str, default: bool = True) -> bool:
+    """``name`` as a switch: 0 off, 1 on (``default`` when unset)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}={text!r}: it takes 0 (off) or 1 (on)")
+    return text == "1"
