@@ -261,9 +261,9 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
     stream = torch.cuda.current_stream(x.device).cuda_stream
 
     def launch():
-        # PDL where the GEMVs of a layer follow one another (one row, prologues on; measured to lose at 4 rows),
-        # in CUDA graphs: an eager step is bound by its launches, which PDL's ctypes path makes slower
-        overlap = (prologue != PLAIN or (PROLOGUES and rows <= PROLOGUE_MAX_ROWS)) and torch.cuda.is_current_stream_capturing()
+        # PDL where the prologues make a layer's GEMVs follow one another (measured to lose at 4 rows without
+        # them), in CUDA graphs: an eager step is bound by its launches, which PDL's ctypes path makes slower
+        overlap = PROLOGUES and rows <= PROLOGUE_MAX_ROWS and torch.cuda.is_current_stream_capturing()
         if not (overlap and _pdl_device(x.device.index) and _launch_pdl(kernel, grid, args, shared_mem, stream)):
             kernel(grid, (THREADS,), args, shared_mem=shared_mem, stream=_Stream(stream))
 

@@ -13,13 +13,13 @@ points); the scratch is never a copy of the model.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 
 from runtime_quant import w4a16_cuda
+from runtime_quant.w4a16_cuda import _num_sms  # the multiprocessors of a GPU (cached)
 from runtime_quant.settings import env_int
 
 GEMV_MAX_ROWS = 4
@@ -56,11 +56,6 @@ def supports(scheme, layer: torch.nn.Module) -> bool:
         and torch.cuda.is_available()
         and block_k(layer.quant_group_rows, layer.in_features) >= 16
     )
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @dataclass(frozen=True)
