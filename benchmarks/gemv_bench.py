@@ -6,9 +6,11 @@ shapes of a Llama-3.1-8B layer and its logits, and prints the weight read rate. 
 method's batch-1 path), the peer still bf16 cuBLAS; ``--sweep`` times every launch shape of
 a wider grid per layer and prints the fastest next to the autotuner's choice. ``--fused`` times
 the layers that follow a norm (q/k/v, gate/up) or the SiLU activation (down) with that op fused
-into the gemv's prologue against the two launches it replaces.
+into the gemv's prologue against the two launches it replaces. On a GPU where it compiles, ``gemv``
+is the CUDA kernel (``RUNTIME_GEMV_CUDA=0``: the Triton one); ``--cuda-shapes`` times each of its
+row shapes (rows a warp, stretches in flight) per layer.
 
-    python3 benchmarks/gemv_bench.py [--dtype fp8] [--sweep | --fused]
+    python3 benchmarks/gemv_bench.py [--dtype fp8] [--sweep | --fused | --cuda-shapes]
 """
 
 from __future__ import annotations
@@ -109,14 +111,35 @@ def compare_fused(dtype: str) -> None:
     print(f"{dtype}: per decode step of the 8B model the prologues save {saved / 1000:.3f} ms")
 
 
+def cuda_shapes(dtype: str) -> None:
+    from runtime_kernels import gemv_cuda
+
+    totals = dict.fromkeys(gemv_cuda.SHAPES, 0.0)
+    for name, (n, k) in SHAPES.items():
+        _, w, scale = make_weight(name, dtype == "fp8")
+        x = torch.randn(k, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(n, dtype=x.dtype, device="cuda")
+        gb = w.numel() * w.element_size() / 1e3
+        row = []
+        for shape in gemv_cuda.SHAPES:
+            us = time_us(lambda shape=shape: gemv_cuda.gemv(x, w, None, scale, out, shape=shape))
+            totals[shape] += us * PER_TOKEN[name]
+            row.append(f"{shape[0]}x{shape[1]} {us:6.1f} us {gb / us:5.0f} GB/s")
+        print(f"{dtype}: {name:<8} " + " | ".join(row))
+    print(f"{dtype}: per decode step: " + ", ".join(f"{r}x{u} {t / 1000:.3f} ms" for (r, u), t in totals.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fused", action="store_true", help="time the norm and SiLU prologues instead")
+    parser.add_argument("--cuda-shapes", action="store_true", help="time the CUDA kernel's row shapes instead")
     args = parser.parse_args()
     if args.fused:
         return compare_fused(args.dtype)
+    if args.cuda_shapes:
+        return cuda_shapes(args.dtype)
     fp8 = args.dtype == "fp8"
     totals = {"gemv": 0.0, "cublas": 0.0, "best": 0.0}
     print(f"{args.dtype}: {'layer':<8} {'N x K':>14} {'gemv us':>9} {'GB/s':>6} {'cuBLAS bf16 us':>15} {'GB/s':>6}")

@@ -91,6 +91,12 @@ def _launch(vec, weight, bias, scale, prologue: int = 0, **prologue_args) -> tor
         raise ValueError(f"scale must be one float32 per weight row, shape ({n},), got {tuple(scale.shape)}")
     check_last_dim_contiguous("weight", weight)
     out = torch.empty(n, dtype=vec.dtype, device=vec.device)
+    if _cuda_runs(vec, weight, bias, scale, prologue_args):
+        from runtime_kernels import gemv_cuda
+
+        return gemv_cuda.gemv(vec, weight, bias, scale, out, prologue, prologue_args.get("residual_ptr"),
+                              prologue_args.get("norm_w_ptr"), prologue_args.get("residual_out_ptr"),
+                              prologue_args.get("eps", 0.0), prologue_args.get("GEMMA", False))
     has_bias, has_scale = bias is not None, scale is not None
     args = (vec, weight, scale if has_scale else out, bias if has_bias else out, out, n, k, weight.stride(0))
     if prologue:
@@ -107,6 +113,20 @@ def _launch(vec, weight, bias, scale, prologue: int = 0, **prologue_args) -> tor
             tuned = jit.gemv_8bit_kernel_tuned if is_8bit else jit.gemv_kernel_tuned
         tuned[lambda meta: (cdiv(n, meta["BLOCK_N"]),)](*args, HAS_SCALE=has_scale, HAS_BIAS=has_bias, **prologue_args)
     return out
+
+
+def _cuda_runs(vec, weight, bias, scale, prologue_args) -> bool:
+    """Whether the CUDA GEMV (:mod:`runtime_kernels.gemv_cuda`) takes this call: on a GPU where it compiles,
+    operands of the activations' dtype (float32 contiguous scales)."""
+    if vec.device.type != "cuda" or interpreting():
+        return False
+    from runtime_kernels import gemv_cuda
+
+    return (
+        gemv_cuda.supports(vec, weight)
+        and (scale is None or (scale.dtype == torch.float32 and scale.is_contiguous()))
+        and gemv_cuda.operands_fit(vec, bias, prologue_args.get("residual_ptr"), prologue_args.get("norm_w_ptr"))
+    )
 
 
 def gemv_ref(

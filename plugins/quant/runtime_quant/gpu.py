@@ -104,6 +104,23 @@ def fp8_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, b
     return y if bias is None else y + bias
 
 
+def fp8_gemv_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(weight, row scales)`` where :func:`fp8_scaled_mm` reads one row of ``dtype`` with
+    runtime-kernels' gemv (bf16, both dimensions multiples of 16, one scale per row), else None."""
+    n, k = layer.weight.shape
+    if dtype != torch.bfloat16 or n % 16 or k % 16 or layer.weight_scale.dim() != 1:
+        return None
+    if layer.weight.device.type == "cuda":
+        # On a GPU only where the CUDA GEMV runs it: there a block computes the prologue once for all its rows;
+        # the Triton gemv's programs each compute it, which for 1-byte rows cost more than the launches saved
+        # (W3 on an H100: 3.63 -> 3.92 ms; benchmarks/RESULTS.md, session 15)
+        from runtime_kernels import gemv_cuda
+
+        if not gemv_cuda.takes(layer.weight, dtype):
+            return None
+    return layer.weight, layer.weight_scale
+
+
 def _group_quantize(x: torch.Tensor, dtype: torch.dtype, group: int):
     """``x`` [T, in] -> (codes [T, in], float32 scales [T, ceil(in / group)])."""
     rows, cols = x.shape

@@ -106,6 +106,8 @@ class Kernel:
     name: str
     supports: Callable[[W8A8Scheme, torch.device], bool]
     run: Callable[[torch.nn.Module, W8A8Scheme, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    # (layer, dtype) -> (weight, row scales) where ``run`` reads one row with runtime-kernels' gemv
+    gemv_weights: Callable[[torch.nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 def _int_mm_supports(scheme: W8A8Scheme, device: torch.device) -> bool:
@@ -119,7 +121,7 @@ def _int_mm_supports(scheme: W8A8Scheme, device: torch.device) -> bool:
 
 
 KERNELS: list[Kernel] = [
-    Kernel("fp8_scaled_mm", gpu.fp8_scaled_mm_supports, gpu.fp8_scaled_mm),
+    Kernel("fp8_scaled_mm", gpu.fp8_scaled_mm_supports, gpu.fp8_scaled_mm, gpu.fp8_gemv_weights),
     Kernel("triton_scaled_gemm", gpu.triton_scaled_gemm_supports, gpu.triton_scaled_gemm),
     Kernel("int_mm", _int_mm_supports, int_mm),
     Kernel("dequant_matmul", lambda scheme, device: True, dequant_matmul),

@@ -158,6 +158,13 @@ class W8A8LinearMethod:
         # x: [num_tokens, in] -> [num_tokens, out] in x's dtype
         return layer.quant_kernel.run(layer, self.scheme, x, bias)
 
+    def gemv_weights(self, layer: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The FP8 codes and row scales where :meth:`apply` of one row of ``dtype`` is runtime-kernels'
+        gemv (the ``fp8_scaled_mm`` kernel's batch-1 path), so a norm or activation before the layer
+        may fuse into it (``runtime.models.linear.Linear.gemv_operands``); None for every other kernel."""
+        gemv_weights = layer.quant_kernel.gemv_weights
+        return None if gemv_weights is None else gemv_weights(layer, dtype)
+
 
 def fp8_online_scheme() -> W8A8Scheme:
     """``--quantization fp8`` of a 16/32-bit checkpoint: per-channel weights, per-token activations."""

@@ -16,7 +16,6 @@ without CuPy, or where it cannot compile, :func:`supports` is False and the Trit
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -39,7 +38,7 @@ KERNEL_MAX_ROWS = 4  # rows of x a call can take (each word is dequantized once 
 # The rows the engine sends it (RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS=1 keeps 2-4 rows on the Triton GEMV). On an
 # H100, Llama-3-8B's four linears x 32 layers at 4 rows: 3.25 ms against the Triton GEMV's 8.40 (benchmarks/RESULTS.md).
 MAX_ROWS = env_int("RUNTIME_WNA16_CUDA_GEMV_MAX_ROWS", KERNEL_MAX_ROWS, 1, KERNEL_MAX_ROWS)
-KERNEL_TYPES = {torch.bfloat16: "w4a16::bf16", torch.float16: "w4a16::f16"}
+KERNEL_TYPES = {torch.bfloat16: "gemv_common::bf16", torch.float16: "gemv_common::f16"}
 # The kernel's prologues (its template P): the op before the layer computed as x is read (decode steps), so
 # that a norm or the MLP's SiLU needs no launch of its own. RUNTIME_WNA16_CUDA_GEMV_PROLOGUES=0: ops apart.
 PLAIN, SILU_AND_MUL, RMS_NORM, GEMMA_RMS_NORM = 0, 1, 2, 3
@@ -49,7 +48,6 @@ ONE_WAVE = env_flag("RUNTIME_WNA16_CUDA_GEMV_ONE_WAVE")  # see column_blocks
 # Programmatic dependent launch on sm_90+ (the kernel's first weight loads overlap the previous kernel's end);
 # RUNTIME_WNA16_CUDA_GEMV_PDL=0: plain launches.
 PDL = env_flag("RUNTIME_WNA16_CUDA_GEMV_PDL")
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 @dataclass(frozen=True)
@@ -91,86 +89,32 @@ DEFAULT = _variant_setting(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "2,
 MULTI_ROW = Variant(2, 2, 16)
 
 
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-@functools.cache
-def _launch_kernel_ex():
-    """The driver's ``cuLaunchKernelEx`` (CUDA 12+), or None."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-@functools.cache
-def _pdl_device(device_index: int) -> bool:
-    return PDL and torch.cuda.get_device_capability(device_index)[0] >= 9 and _launch_kernel_ex() is not None
-
-
-def _launch_pdl(kernel: Any, grid: tuple[int, int], args: tuple, shared_mem: int, stream: int) -> bool:
-    """Launch ``kernel`` (a CuPy function) with programmatic stream serialization; False where the
-    driver refuses (logged once; plain launches from then on)."""
-    global PDL
-    values = [ctypes.c_float(a) if isinstance(a, np.float32) else ctypes.c_int32(a) if isinstance(a, np.int32)
-              else ctypes.c_uint64(a) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-    attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-    config = _LaunchConfig((ctypes.c_uint * 3)(grid[0], grid[1], 1), (ctypes.c_uint * 3)(THREADS, 1, 1), shared_mem,
-                           stream, ctypes.pointer(attribute), 1)
-    result = _launch_kernel_ex()(ctypes.byref(config), kernel.ptr, params, None) if hasattr(kernel, "ptr") else -1
-    if result != 0:
-        logger.warning("cuLaunchKernelEx with programmatic dependent launch failed (CUresult %d); plain launches", result)
-        PDL = False
-        _pdl_device.cache_clear()
-    return result == 0
-
-
-class _Stream:
-    """What CuPy's kernel launch reads of a stream: its handle, ``ptr``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-
 @functools.cache
 def kernels(device_index: int, columns: int = DEFAULT.columns, min_blocks: int = DEFAULT.min_blocks,
             rows: int = 1, prologue: int = PLAIN) -> dict[torch.dtype, Any] | None:
     """One variant's kernel for ``rows`` rows and ``prologue`` per activation dtype, compiled and
     loaded for this GPU (only what is used is compiled; CuPy keeps the binaries on disk for later
     starts), or None (logged once)."""
-    try:
-        import cupy
+    from runtime_kernels import cuda_launch  # runtime-plugin-cuda's kernels: compiling and launching
 
-        source = (files("runtime_quant") / "w4a16_gemv.cu").read_text()
-        names = {dtype: f"w4a16::gemv<{name}, {columns}, {min_blocks}, {rows}, {prologue}>"
-                 for dtype, name in KERNEL_TYPES.items()}
-        with cupy.cuda.Device(device_index):
-            module = cupy.RawModule(code=source, options=("-std=c++17",), name_expressions=list(names.values()))
-            return {dtype: module.get_function(name).kernel for dtype, name in names.items()}
-    except Exception as exc:  # noqa: BLE001 - no CuPy or no NVRTC: the Triton GEMV runs
-        logger.info("the CUDA 4-bit GEMV is unavailable (%s: %s); the Triton GEMV runs", type(exc).__name__, exc)
+    names = {dtype: f"w4a16::gemv<{name}, {columns}, {min_blocks}, {rows}, {prologue}>"
+             for dtype, name in KERNEL_TYPES.items()}
+    compiled = cuda_launch.compile_kernels((files("runtime_quant") / "w4a16_gemv.cu").read_text(), names.values(),
+                                           device_index)
+    if compiled is None:
+        logger.info("the CUDA 4-bit GEMV is unavailable; the Triton GEMV runs")
         return None
+    return {dtype: compiled[name] for dtype, name in names.items()}
 
 
 def _aligned(t: torch.Tensor, nbytes: int) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % nbytes == 0 and (t.stride(0) * t.element_size()) % nbytes == 0
 
 
-@functools.cache
 def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    from runtime_kernels.cuda_launch import num_sms
+
+    return num_sms(device_index)
 
 
 def column_blocks(runs: int, blocks_k: int, min_blocks: int, device_index: int) -> int:
@@ -256,22 +200,13 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
         norm_weight.data_ptr() if norm_weight is not None else 0,
         residual_out.data_ptr() if residual_out is not None else 0, np.float32(eps),
     )
+    from runtime_kernels import cuda_launch
+
     kernel = kernels(x.device.index, variant.columns, variant.min_blocks, rows, prologue)[x.dtype]
-    shared_mem = rows * chunks_per_block * CHUNK_ROWS * 2
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-
-    def launch():
-        # PDL where the prologues make a layer's GEMVs follow one another (measured to lose at 4 rows without
-        # them), in CUDA graphs: an eager step is bound by its launches, which PDL's ctypes path makes slower
-        overlap = PROLOGUES and rows <= PROLOGUE_MAX_ROWS and torch.cuda.is_current_stream_capturing()
-        if not (overlap and _pdl_device(x.device.index) and _launch_pdl(kernel, grid, args, shared_mem, stream)):
-            kernel(grid, (THREADS,), args, shared_mem=shared_mem, stream=_Stream(stream))
-
-    if torch.cuda.current_device() == x.device.index:
-        launch()
-    else:  # a thread whose current device is another: launch in this GPU's context
-        with torch.cuda.device(x.device):
-            launch()
+    # PDL where the prologues make a layer's GEMVs follow one another (measured to lose at 4 rows without them), in
+    # CUDA graphs: an eager step is bound by its launches, which PDL's ctypes path makes slower
+    overlap = PDL and PROLOGUES and rows <= PROLOGUE_MAX_ROWS and torch.cuda.is_current_stream_capturing()
+    cuda_launch.launch(kernel, grid, THREADS, args, rows * chunks_per_block * CHUNK_ROWS * 2, x.device, pdl=overlap)
     return out
 
 

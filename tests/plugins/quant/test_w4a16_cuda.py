@@ -128,7 +128,9 @@ def test_cuda_gemv_under_graph_replay_and_through_the_triton_entry():
         expected = _reference(layer, scheme, x, None)
         torch.testing.assert_close(out.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
     if torch.cuda.get_device_capability()[0] >= 9 and os.environ.get("RUNTIME_WNA16_CUDA_GEMV_PDL", "1") != "0":
-        assert w4a16_cuda.PDL, "the driver refused the programmatic dependent launch"
+        from runtime_kernels import cuda_launch
+
+        assert cuda_launch.pdl_available(torch.cuda.current_device()), "the driver refused the programmatic dependent launch"
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -1,0 +1,145 @@
+"""Compiling and launching the CUDA kernels (``runtime_kernels/cuda/*.cu``; runtime-plugin-quant's 4-bit GEMV):
+CuPy's NVRTC compiles them on first use for the GPU at hand (CuPy keeps the binaries on disk), and
+:func:`launch` starts one on a torch stream, with programmatic dependent launch where asked
+(``cuLaunchKernelEx`` through ctypes: on sm_90+ the kernel may start while the one before it ends;
+it calls ``griddepcontrol.wait`` before it reads that kernel's results).
+
+Without CuPy, or where a kernel cannot compile, :func:`compile_kernels` returns None and the
+callers keep their Triton kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Iterable
+from importlib.resources import files
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def include_dir() -> str:
+    """The folder of ``gemv_common.cuh`` and the other shared sources, for ``-I``."""
+    return str(files("runtime_kernels") / "cuda")
+
+
+def source(name: str) -> str:
+    return (files("runtime_kernels") / "cuda" / name).read_text()
+
+
+def compile_kernels(code: str, names: Iterable[str], device_index: int) -> dict[str, Any] | None:
+    """``names`` (template instances, as C++ expressions) of ``code`` compiled for GPU ``device_index``:
+    name -> CuPy function; None (logged) where CuPy is missing or the code does not compile."""
+    names = list(names)
+    try:
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            module = cupy.RawModule(code=code, options=("-std=c++17", f"-I{include_dir()}"), name_expressions=names)
+            return {name: module.get_function(name).kernel for name in names}
+    except Exception as exc:  # noqa: BLE001 - no CuPy or no NVRTC: the caller's Triton kernel runs
+        logger.info("a CUDA kernel is unavailable (%s: %s); the Triton kernel runs", type(exc).__name__, exc)
+        return None
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def max_blocks_per_sm(kernel: Any, threads: int, shared_mem: int, fallback: int) -> int:
+    """How many blocks of ``kernel`` a multiprocessor holds at once (the driver's occupancy
+    calculator), or ``fallback`` where it cannot tell."""
+    try:
+        from cupy.cuda import driver
+
+        return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, shared_mem)))
+    except Exception:  # noqa: BLE001 - an older CuPy
+        return fallback
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _launch_kernel_ex():
+    """The driver's ``cuLaunchKernelEx`` (CUDA 12+), or None."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_pdl_refused = False  # set once the driver refuses a programmatic dependent launch: plain launches from then on
+
+
+@functools.cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and _launch_kernel_ex() is not None
+
+
+def pdl_available(device_index: int) -> bool:
+    """Whether programmatic dependent launch can be used on GPU ``device_index`` (sm_90+, a driver with
+    ``cuLaunchKernelEx``, none refused so far)."""
+    return not _pdl_refused and _pdl_capable(device_index)
+
+
+def _launch_pdl(kernel: Any, grid: tuple[int, ...], threads: int, args: tuple, shared_mem: int, stream: int) -> bool:
+    """Launch ``kernel`` (a CuPy function) with programmatic stream serialization; False where the
+    driver refuses (logged once; plain launches from then on)."""
+    global _pdl_refused
+    values = [ctypes.c_float(a) if isinstance(a, np.float32) else ctypes.c_int32(a) if isinstance(a, np.int32)
+              else ctypes.c_int64(a) if isinstance(a, np.int64) else ctypes.c_uint64(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    grid3 = (tuple(grid) + (1, 1))[:3]
+    config = _LaunchConfig((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(threads, 1, 1), shared_mem, stream,
+                           ctypes.pointer(attribute), 1)
+    result = _launch_kernel_ex()(ctypes.byref(config), kernel.ptr, params, None) if hasattr(kernel, "ptr") else -1
+    if result != 0:
+        logger.warning("cuLaunchKernelEx with programmatic dependent launch failed (CUresult %d); plain launches", result)
+        _pdl_refused = True
+    return result == 0
+
+
+class _Stream:
+    """What CuPy's kernel launch reads of a stream: its handle, ``ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+def launch(kernel: Any, grid: tuple[int, ...], threads: int, args: tuple, shared_mem: int, device: torch.device,
+           pdl: bool = False) -> None:
+    """Launch ``kernel`` on ``device``'s current torch stream; ``args``: device pointers as ints, scalars as
+    ``np.int32`` / ``np.int64`` / ``np.float32``. ``pdl``: with programmatic dependent launch where the
+    GPU and driver allow it."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+
+    def go():
+        if not (pdl and pdl_available(device.index) and _launch_pdl(kernel, grid, threads, args, shared_mem, stream)):
+            kernel(grid, (threads,), args, shared_mem=shared_mem, stream=_Stream(stream))
+
+    if torch.cuda.current_device() == device.index:
+        go()
+    else:  # a thread whose current device is another: launch in this GPU's context
+        with torch.cuda.device(device):
+            go()
