@@ -55,14 +55,27 @@ def num_sms(device_index: int) -> int:
 
 
 def max_blocks_per_sm(kernel: Any, threads: int, shared_mem: int, fallback: int) -> int:
-    """How many blocks of ``kernel`` a multiprocessor holds at once (the driver's occupancy
-    calculator), or ``fallback`` where it cannot tell."""
-    try:
-        from cupy.cuda import driver
-
-        return max(1, int(driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, shared_mem)))
-    except Exception:  # noqa: BLE001 - an older CuPy
+    """How many blocks of ``kernel`` (a CuPy function) a multiprocessor holds at once, by the driver's
+    ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, or ``fallback`` where it cannot tell."""
+    occupancy = _occupancy()
+    blocks = ctypes.c_int(0)
+    if occupancy is None or not hasattr(kernel, "ptr"):
         return fallback
+    if occupancy(ctypes.byref(blocks), kernel.ptr, threads, shared_mem) != 0 or blocks.value < 1:
+        return fallback
+    return blocks.value
+
+
+@functools.cache
+def _occupancy():
+    """The driver's ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, or None."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute

@@ -2,6 +2,7 @@
 
 * the dense one-row GEMV (``runtime_kernels/cuda/dense_gemv.cu``) compiles for sm_90 (nvcc, where it is
   installed) for every weight type, row shape and prologue, without spills;
+* the occupancy is asked of the driver (a stand-in here), with a fallback where it cannot answer;
 * programmatic dependent launch is marshalled for ``cuLaunchKernelEx`` as ``cuda.h`` lays it out: the
   structs' sizes and offsets against the header (a C compiler), and a stand-in for the driver call
   receiving the grid, the attribute and every argument at its C type; a refused launch turns it off;
@@ -109,6 +110,23 @@ def test_a_refused_launch_turns_pdl_off(monkeypatch, caplog):
     assert cuda_launch.pdl_available(0)
     assert not cuda_launch._launch_pdl(StandInKernel(), (1, 1), 256, (np.int32(1),), 0, 0)
     assert cuda_launch._pdl_refused and not cuda_launch.pdl_available(0) and "CUresult 1" in caplog.text
+
+
+def test_occupancy_asks_the_driver_and_falls_back(monkeypatch):
+    seen = {}
+
+    def occupancy(blocks_ref, function, threads, shared_mem):
+        seen.update(function=function, threads=threads, shared_mem=shared_mem)
+        blocks_ref._obj.value = 3
+        return 0
+
+    monkeypatch.setattr(cuda_launch, "_occupancy", lambda: occupancy)
+    assert cuda_launch.max_blocks_per_sm(StandInKernel(), 256, 28672, fallback=2) == 3
+    assert seen == {"function": 0x1234, "threads": 256, "shared_mem": 28672}
+    monkeypatch.setattr(cuda_launch, "_occupancy", lambda: lambda *args: 1)  # an error: the fallback
+    assert cuda_launch.max_blocks_per_sm(StandInKernel(), 256, 0, fallback=2) == 2
+    monkeypatch.setattr(cuda_launch, "_occupancy", lambda: None)  # no driver
+    assert cuda_launch.max_blocks_per_sm(StandInKernel(), 256, 0, fallback=2) == 2
 
 
 @pytest.mark.parametrize("name,value,message", [
