@@ -8,7 +8,7 @@ with programmatic dependent launch on sm_90+: each GEMV requests its first weigh
 kernel before it. On an H100 its plain calls read the Llama-3-8B layers at the Triton kernel's rate
 (2.6-3.1 TB/s), but each block prepares the whole row of x, a serial stretch before its weights stream:
 W3 went 3.61 -> 3.76 ms with FP8 weights and 5.71 -> 5.76 ms in bf16 (benchmarks/RESULTS.md, session 18).
-``RUNTIME_GEMV_CUDA_PDL=0``: plain launches; ``RUNTIME_GEMV_CUDA_SHAPE="rows,stretches"``: the rows a warp
+``RUNTIME_GEMV_CUDA_PDL=0``: plain launches; ``RUNTIME_GEMV_CUDA_PROLOGUES=0``: FP8 layers keep their norm and SiLU apart; ``RUNTIME_GEMV_CUDA_SHAPE="rows,stretches"``: the rows a warp
 takes at a time and the 512-byte stretches of each it has in flight (default ``2,8``).
 """
 
@@ -48,6 +48,9 @@ def _shape_setting(text: str) -> tuple[int, int]:
 
 ENABLED = _flag("RUNTIME_GEMV_CUDA", "0")
 PDL = _flag("RUNTIME_GEMV_CUDA_PDL", "1")
+# Whether layers with their own scales (FP8) fuse the norm / SiLU before them into this kernel (see
+# runtime_quant.gpu.fp8_gemv_weights); RUNTIME_GEMV_CUDA_PROLOGUES=0: plain calls, the ops apart.
+PROLOGUES = _flag("RUNTIME_GEMV_CUDA_PROLOGUES", "1")
 SHAPE = _shape_setting(os.environ.get("RUNTIME_GEMV_CUDA_SHAPE", "2,8"))
 
 

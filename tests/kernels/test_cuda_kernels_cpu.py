@@ -132,6 +132,7 @@ def test_occupancy_asks_the_driver_and_falls_back(monkeypatch):
 @pytest.mark.parametrize("name,value,message", [
     ("RUNTIME_GEMV_CUDA", "yes", "RUNTIME_GEMV_CUDA='yes': it takes 0 (off) or 1 (on)"),
     ("RUNTIME_GEMV_CUDA_PDL", "2", "RUNTIME_GEMV_CUDA_PDL='2': it takes 0 (off) or 1 (on)"),
+    ("RUNTIME_GEMV_CUDA_PROLOGUES", "on", "RUNTIME_GEMV_CUDA_PROLOGUES='on': it takes 0 (off) or 1 (on)"),
     ("RUNTIME_GEMV_CUDA_SHAPE", "3,3", "RUNTIME_GEMV_CUDA_SHAPE='3,3': it takes rows,stretches, one of 2,8, 1,8, 4,4, 2,4"),
     ("RUNTIME_GEMV_CUDA_SHAPE", "two", "it takes rows,stretches"),
 ])

@@ -116,7 +116,7 @@ def fp8_gemv_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.
         # (W3 on an H100: 3.63 -> 3.92 ms; benchmarks/RESULTS.md, session 15)
         from runtime_kernels import gemv_cuda
 
-        if not gemv_cuda.takes(layer.weight, dtype):
+        if not (gemv_cuda.PROLOGUES and gemv_cuda.takes(layer.weight, dtype)):
             return None
     return layer.weight, layer.weight_scale
 
