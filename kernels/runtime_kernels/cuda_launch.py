@@ -57,23 +57,27 @@ def num_sms(device_index: int) -> int:
 def max_blocks_per_sm(kernel: Any, threads: int, shared_mem: int, fallback: int) -> int:
     """How many blocks of ``kernel`` (a CuPy function) a multiprocessor holds at once, by the driver's
     ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, or ``fallback`` where it cannot tell."""
-    occupancy = _occupancy()
-    blocks = ctypes.c_int(0)
-    if occupancy is None or not hasattr(kernel, "ptr"):
-        return fallback
-    if occupancy(ctypes.byref(blocks), kernel.ptr, threads, shared_mem) != 0 or blocks.value < 1:
+    occupancy, blocks = _occupancy(), ctypes.c_int(0)
+    asked = occupancy is not None and hasattr(kernel, "ptr")
+    if not asked or occupancy(ctypes.byref(blocks), kernel.ptr, threads, shared_mem) != 0 or blocks.value < 1:
         return fallback
     return blocks.value
 
 
-@functools.cache
 def _occupancy():
     """The driver's ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, or None."""
+    return _driver_function("cuOccupancyMaxActiveBlocksPerMultiprocessor",
+                            (ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t))
+
+
+@functools.cache
+def _driver_function(name: str, argtypes: tuple) -> Any:
+    """Function ``name`` of the CUDA driver (returning a CUresult) with ``argtypes``, or None."""
     try:
-        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
+        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    fn.argtypes = list(argtypes)
     fn.restype = ctypes.c_int
     return fn
 
@@ -87,16 +91,10 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-@functools.cache
 def _launch_kernel_ex():
     """The driver's ``cuLaunchKernelEx`` (CUDA 12+), or None."""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+    return _driver_function("cuLaunchKernelEx", (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                                 ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p))
 
 
 _pdl_refused = False  # set once the driver refuses a programmatic dependent launch: plain launches from then on

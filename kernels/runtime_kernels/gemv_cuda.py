@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 import torch
+from runtime.envs import env_flag
 
 from runtime_kernels import cuda_launch
 
@@ -30,13 +31,6 @@ ACTIVATION_TYPES = {torch.bfloat16: "gemv_common::bf16", torch.float16: "gemv_co
 FP8 = getattr(torch, "float8_e4m3fn", None)
 
 
-def _flag(name: str, default: str) -> bool:
-    value = os.environ.get(name, default)
-    if value not in ("0", "1"):
-        raise ValueError(f"{name}={value!r}: it takes 0 (off) or 1 (on)")
-    return value == "1"
-
-
 def _shape_setting(text: str) -> tuple[int, int]:
     fields = text.split(",")
     shape = tuple(int(f) for f in fields) if len(fields) == 2 and all(f.strip().isdigit() for f in fields) else None
@@ -46,11 +40,11 @@ def _shape_setting(text: str) -> tuple[int, int]:
     return shape
 
 
-ENABLED = _flag("RUNTIME_GEMV_CUDA", "0")
-PDL = _flag("RUNTIME_GEMV_CUDA_PDL", "1")
+ENABLED = env_flag("RUNTIME_GEMV_CUDA", False)
+PDL = env_flag("RUNTIME_GEMV_CUDA_PDL")
 # Whether layers with their own scales (FP8) fuse the norm / SiLU before them into this kernel (see
 # runtime_quant.gpu.fp8_gemv_weights); RUNTIME_GEMV_CUDA_PROLOGUES=0: plain calls, the ops apart.
-PROLOGUES = _flag("RUNTIME_GEMV_CUDA_PROLOGUES", "1")
+PROLOGUES = env_flag("RUNTIME_GEMV_CUDA_PROLOGUES")
 SHAPE = _shape_setting(os.environ.get("RUNTIME_GEMV_CUDA_SHAPE", "2,8"))
 
 

@@ -22,7 +22,18 @@ struct e4m3 {
   unsigned char bits;
 };
 
-template <typename W> struct Weights;
+// 8 weights of a 16-bit type (the activations' own).
+template <typename W> struct Weights {
+  static constexpr int kPerVector = 8;
+  static __device__ __forceinline__ void to_float(const uint4& v, float (&out)[kPerVector]) {
+    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = W{static_cast<unsigned short>(words[i] & 0xFFFF)}.value();
+      out[2 * i + 1] = W{static_cast<unsigned short>(words[i] >> 16)}.value();
+    }
+  }
+};
 // 16 FP8 codes: two e4m3 pairs to half2 (exact), each half to float.
 template <> struct Weights<e4m3> {
   static constexpr int kPerVector = 16;
@@ -36,29 +47,6 @@ template <> struct Weights<e4m3> {
           " cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n cvt.f32.f16 %2, c;\n cvt.f32.f16 %3, d;}"
           : "=f"(out[4 * i]), "=f"(out[4 * i + 1]), "=f"(out[4 * i + 2]), "=f"(out[4 * i + 3])
           : "r"(words[i]));
-  }
-};
-// 8 weights of the activations' type.
-template <> struct Weights<bf16> {
-  static constexpr int kPerVector = 8;
-  static __device__ __forceinline__ void to_float(const uint4& v, float (&out)[kPerVector]) {
-    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      out[2 * i] = __uint_as_float(words[i] << 16);
-      out[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
-    }
-  }
-};
-template <> struct Weights<f16> {
-  static constexpr int kPerVector = 8;
-  static __device__ __forceinline__ void to_float(const uint4& v, float (&out)[kPerVector]) {
-    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      out[2 * i] = f16{static_cast<unsigned short>(words[i] & 0xFFFF)}.value();
-      out[2 * i + 1] = f16{static_cast<unsigned short>(words[i] >> 16)}.value();
-    }
   }
 };
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime_quant.gguf_blocks import BlockType
-from runtime_quant.settings import env_int
+from runtime.envs import env_int
 from runtime_quant.wna16_gpu import GemvConfig, _cdiv, _locks, _num_sms  # the 4/8-bit GEMV's knobs and counters
 from runtime_quant.wna16_gpu import scratch as _scratch  # one layer's dequantized weights, shared with the 4/8-bit layers
 

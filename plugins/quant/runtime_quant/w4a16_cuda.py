@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime_quant.settings import env_flag, env_int
+from runtime.envs import env_flag, env_int
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 
 from runtime_quant import w4a16_cuda
 from runtime_quant.w4a16_cuda import _num_sms  # the multiprocessors of a GPU (cached)
-from runtime_quant.settings import env_int
+from runtime.envs import env_int
 
 GEMV_MAX_ROWS = 4
 # From this many rows: dequantize into the one-layer scratch, then cuBLAS. Provisional, from GGUF's

@@ -1,5 +1,5 @@
-"""The quant plugin's environment settings (kernel switches and thresholds for benchmarks and
-workarounds), read once at import; a bad value is an error naming the variable and what it takes."""
+"""Reading environment settings (plugins' kernel switches and thresholds for benchmarks and workarounds),
+once at import: a bad value is an error naming the variable, the value and what it takes."""
 
 from __future__ import annotations
 
