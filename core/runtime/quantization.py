@@ -48,8 +48,8 @@ class LinearMethod(Protocol):
     # Optional: ``gemv_weights(layer, dtype) -> (weight, scale) | None``: where ``apply`` of one
     # row of ``dtype`` is ``runtime_kernels.gemv.gemv(x, weight, bias, scale=scale)`` (8-bit codes
     # [out, in] and float32 row scales [out]), those two, so that a norm or activation before the
-    # layer may fuse into that gemv (``Linear.gemv_operands``); None otherwise. A method with neither
-    # this nor the forms below is never fused with the op before it.
+    # layer (or the SiLU after a gate/up layer) may fuse into that gemv (``Linear.gemv_operands``);
+    # None otherwise. A method with neither this nor the forms below is never fused with the op before it.
     # Optional, for methods with kernels of their own that can compute the op before the layer as they
     # read its input (decode steps; ``Linear.quant_fused``); each returns None where it does not, and
     # the ops run apart:

@@ -7,8 +7,9 @@ weights stream from memory; cuBLAS's general kernels leave some of that on the t
 a single row.
 
 ``silu_and_mul_gemv`` and ``rms_norm_gemv`` also compute the gated activation or the
-(fused-add) RMSNorm that feeds the product, as they read its input, so that a decode step of
-one sequence does not launch those small kernels at all.
+(fused-add) RMSNorm that feeds the product, as they read its input, and ``rms_norm_gemv``
+with ``gated`` the activation of a fused gate/up projection's product as it stores it, so that
+a decode step of one sequence launches neither of those small kernels.
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ def silu_and_mul_gemv(
 ) -> torch.Tensor:
     """``gemv(silu_and_mul(x), weight, bias, scale)`` in one launch: ``x`` [1, 2 * K] or [2 * K] =
     ``[gate | up]``, ``weight`` [N, K]; ``silu(gate) * up`` is rounded to ``x.dtype`` as
-    :func:`runtime_kernels.activation.silu_and_mul` rounds it."""
+    :func:`runtime_kernels.activation.silu_and_mul` rounds it (two launches for 8-bit weights on a GPU,
+    as :func:`rms_norm_gemv`'s norm)."""
     vec = _one_row("silu_and_mul_gemv", x, 2 * weight.shape[1])
+    if _prologue_apart(vec, weight, bias, scale):
+        from runtime_kernels.activation import silu_and_mul
+
+        return _launch(silu_and_mul(vec), weight, bias, scale).view(*x.shape[:-1], weight.shape[0])
     return _launch(vec, weight, bias, scale, prologue=SILU_AND_MUL).view(*x.shape[:-1], weight.shape[0])
 
 
@@ -51,24 +57,61 @@ def rms_norm_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gemv(norm, weight, bias, scale), s)`` in one launch, where ``s = x + residual`` (``x``
     without a residual) and ``norm`` is ``rms_norm(s, norm_weight, eps, gemma)``, both rounded
     as :mod:`runtime_kernels.norm` rounds them. ``x``, ``residual`` [1, K] or [K]; inputs untouched
-    (``s`` is a new tensor, or ``x`` itself without a residual)."""
+    (``s`` is a new tensor, or ``x`` itself without a residual).
+
+    ``gated``: ``weight`` [2 * N, K] holds a fused gate/up projection's rows ``[gate | up]`` (``bias``,
+    ``scale`` [2 * N] likewise) and the first result is ``silu_and_mul`` of the product, [..., N]: each
+    product rounded to ``x.dtype``, then ``silu(gate) * up`` rounded as :func:`runtime_kernels.activation.silu_and_mul`.
+
+    On a GPU, 8-bit weights take the norm as a launch of its own before the gemv (the Triton gemv's
+    programs each compute the norm, which for 1-byte rows costs more than the launch it saves; W3 on an
+    H100: 3.63 -> 3.92 ms, benchmarks/RESULTS.md, session 15), unless the CUDA GEMV runs them.
+    """
     k = weight.shape[1]
     vec = _one_row("rms_norm_gemv", x, k)
     if norm_weight.shape != (k,):
         raise ValueError(f"norm_weight shape {tuple(norm_weight.shape)} does not match the {k} input features")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x shape {tuple(x.shape)}")
-    norm = dict(norm_w_ptr=norm_weight, eps=float(eps), prologue=RMS_NORM, GEMMA=bool(gemma))
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"gated needs [gate | up] weight rows, an even number; got {weight.shape[0]}")
+    rows = weight.shape[0] // 2 if gated else weight.shape[0]
+    if _prologue_apart(vec, weight, bias, scale, gated):
+        from runtime_kernels.norm import fused_add_rms_norm, rms_norm
+
+        if residual is None:
+            normed, summed = rms_norm(vec, norm_weight, eps, gemma=gemma), x
+        else:
+            normed, summed = fused_add_rms_norm(vec, residual.reshape(-1), norm_weight, eps, gemma=gemma)
+            summed = summed.view(x.shape)
+        return _launch(normed, weight, bias, scale, gated=gated).view(*x.shape[:-1], rows), summed
+    norm = dict(norm_w_ptr=norm_weight, eps=float(eps), prologue=RMS_NORM, GEMMA=bool(gemma), gated=gated)
     if residual is None:
-        return _launch(vec, weight, bias, scale, **norm).view(*x.shape[:-1], weight.shape[0]), x
+        return _launch(vec, weight, bias, scale, **norm).view(*x.shape[:-1], rows), x
     summed = torch.empty_like(vec)
     out = _launch(vec, weight, bias, scale, residual_ptr=residual.reshape(-1).contiguous(), residual_out_ptr=summed,
                   HAS_RESIDUAL=True, **norm)
-    return out.view(*x.shape[:-1], weight.shape[0]), summed.view(x.shape)
+    return out.view(*x.shape[:-1], rows), summed.view(x.shape)
+
+
+def _prologue_apart(vec, weight, bias, scale, gated: bool = False) -> bool:
+    """Whether the op before a one-row gemv of ``weight`` (the norm, the activation) runs as a launch of
+    its own: for 8-bit weights on a GPU, unless the CUDA GEMV takes the call with its prologues (see
+    :func:`rms_norm_gemv`)."""
+    if weight.element_size() != 1 or vec.device.type != "cuda" or interpreting():
+        return False
+    return gated or not _cuda_prologues() or not _cuda_runs(vec, weight, bias, scale, {})
+
+
+def _cuda_prologues() -> bool:
+    from runtime_kernels import gemv_cuda
+
+    return gemv_cuda.PROLOGUES
 
 
 def _one_row(what: str, x: torch.Tensor, features: int) -> torch.Tensor:
@@ -82,16 +125,20 @@ def _one_row(what: str, x: torch.Tensor, features: int) -> torch.Tensor:
     return rows[0].contiguous()
 
 
-def _launch(vec, weight, bias, scale, prologue: int = 0, **prologue_args) -> torch.Tensor:
-    """``out`` [N] of the kernel with ``prologue`` (0: none) and its arguments (``prologue_args``)."""
+def _launch(vec, weight, bias, scale, prologue: int = 0, gated: bool = False, **prologue_args) -> torch.Tensor:
+    """``out`` of the kernel with ``prologue`` (0: none) and its arguments (``prologue_args``): [N], or
+    [N / 2] with the gated activation (``gated``)."""
     from runtime_kernels.jit import gemv as jit
 
     n, k = weight.shape
     if scale is not None and scale.shape != (n,):
         raise ValueError(f"scale must be one float32 per weight row, shape ({n},), got {tuple(scale.shape)}")
     check_last_dim_contiguous("weight", weight)
+    if gated:  # the Triton kernel's own: its programs take rows n and n + N / 2
+        n //= 2
+        prologue_args["GATED"] = True
     out = torch.empty(n, dtype=vec.dtype, device=vec.device)
-    if _cuda_runs(vec, weight, bias, scale, prologue_args):
+    if not gated and _cuda_runs(vec, weight, bias, scale, prologue_args):
         from runtime_kernels import gemv_cuda
 
         return gemv_cuda.gemv(vec, weight, bias, scale, out, prologue, prologue_args.get("residual_ptr"),
@@ -107,7 +154,9 @@ def _launch(vec, weight, bias, scale, prologue: int = 0, **prologue_args) -> tor
                               BLOCK_K=INTERPRETER_BLOCK_K, **prologue_args)
     else:
         is_8bit = weight.element_size() == 1
-        if prologue:
+        if gated:
+            tuned = jit.gemv_8bit_gated_kernel_tuned if is_8bit else jit.gemv_gated_kernel_tuned
+        elif prologue:
             tuned = jit.gemv_8bit_prologue_kernel_tuned if is_8bit else jit.gemv_prologue_kernel_tuned
         else:
             tuned = jit.gemv_8bit_kernel_tuned if is_8bit else jit.gemv_kernel_tuned
@@ -143,8 +192,10 @@ def silu_and_mul_gemv_ref(x, weight, bias=None, scale=None) -> torch.Tensor:
     return gemv_ref(silu_and_mul_ref(x), weight, bias, scale)
 
 
-def rms_norm_gemv_ref(x, residual, norm_weight, eps, gemma, weight, bias=None, scale=None):
+def rms_norm_gemv_ref(x, residual, norm_weight, eps, gemma, weight, bias=None, scale=None, gated=False):
+    from runtime_kernels.activation import silu_and_mul_ref
     from runtime_kernels.norm import rms_norm_ref
 
     summed = x if residual is None else x + residual
-    return gemv_ref(rms_norm_ref(summed, norm_weight, eps, gemma), weight, bias, scale), summed
+    out = gemv_ref(rms_norm_ref(summed, norm_weight, eps, gemma), weight, bias, scale)
+    return (silu_and_mul_ref(out) if gated else out), summed

@@ -1,4 +1,5 @@
-"""silu_and_mul_gemv and rms_norm_gemv (Triton) against the unfused kernels and the references.
+"""silu_and_mul_gemv and rms_norm_gemv (Triton, also with ``gated``: the SiLU after a gate/up product)
+against the unfused kernels and the references.
 
 Each fused op must give what its two unfused ops give. Under the interpreter the launch shape
 is fixed, so a prologue that rounds as the unfused kernel does feeds the same numbers to the same
@@ -107,6 +108,28 @@ def test_rms_norm_gemv(device, dtype, gemma, with_residual, n, k, bias, fp8):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["first_layer", "residual"])
+@pytest.mark.parametrize("n,k,bias,fp8", [(74, 100, False, False), (10, 300, True, False), (74, 100, True, True)],
+                         ids=["plain", "bias", "fp8_bias"])
+def test_rms_norm_gemv_gated(device, dtype, with_residual, n, k, bias, fp8):
+    """The norm, a [gate | up] product and ``silu(gate) * up`` in one launch: what the norm, the gemv and
+    ``silu_and_mul`` give one after another (each of gate and up rounded before the activation)."""
+    from runtime_kernels.activation import silu_and_mul_ref
+
+    _, w, b, scale = make(n, k, dtype, device, bias=bias, fp8=fp8)
+    x = quarters(k, dtype, device, seed=n)
+    residual = quarters(k, dtype, device, seed=n + 1) if with_residual else None
+    nw = norm_weight(k, False, dtype, device)
+    out, summed = rms_norm_gemv(x, residual, nw, EPS, False, w, b, scale, gated=True)
+    assert out.shape == (1, n // 2) and out.dtype == dtype
+    plain, plain_summed = rms_norm_gemv(x, residual, nw, EPS, False, w, b, scale)
+    assert torch.equal(summed, plain_summed)
+    assert_same_as_unfused(out, silu_and_mul(plain), dtype)
+    ref_out, _ = rms_norm_gemv_ref(x, residual, nw, EPS, False, w, b, scale)
+    torch.testing.assert_close(out, silu_and_mul_ref(ref_out), atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_residual_is_rounded_once_and_whole(device, dtype):
     """N=64 over 16 programs (the interpreter's 4 rows each), K=260: one program writes all of
     ``x + residual``, every slice of it, the ragged last one too, rounded once as the norm kernel
@@ -133,22 +156,27 @@ def test_every_tuned_launch_shape_with_a_prologue(device):
     normed, summed = fused_add_rms_norm(x16[0, :k], residual, nw, EPS)
     for weight, configs, row_scale in ((w16, GEMV_CONFIGS, None), (w8, GEMV_8BIT_CONFIGS, scale)):
         dequantized = weight.float() * (1 if row_scale is None else row_scale[:, None])
+        gated = torch.nn.functional.silu((normed.float() @ dequantized.t())[:3]) * (normed.float() @ dequantized.t())[3:6]
+        norm = dict(PROLOGUE=2, residual_ptr=residual, norm_w_ptr=nw, eps=EPS, HAS_RESIDUAL=True)
         cases = (  # (prologue arguments, the product expected)
             (dict(PROLOGUE=1), act.float() @ dequantized.t()),
-            (dict(PROLOGUE=2, residual_ptr=residual, norm_w_ptr=nw, eps=EPS, HAS_RESIDUAL=True),
-             normed.float() @ dequantized.t()),
+            (norm, normed.float() @ dequantized.t()),
+            ({**norm, "GATED": True}, gated),  # rows 0-2 gate, 3-5 up (row 6 unused)
+            (dict(PROLOGUE=0, GATED=True), torch.nn.functional.silu((x16[0, :k].float() @ dequantized.t())[:3])
+             * (x16[0, :k].float() @ dequantized.t())[3:6]),
         )
         for prologue, expected in cases:
+            rows = 3 if prologue.get("GATED") else n
             for config in configs:
-                out = torch.empty(n, dtype=dtype, device=device)
+                out = torch.empty(rows, dtype=dtype, device=device)
                 res_out = torch.zeros(k, dtype=dtype, device=device)
                 if prologue["PROLOGUE"] == 2:
                     prologue["residual_out_ptr"] = res_out
-                gemv_kernel[(-(-n // config.kwargs["BLOCK_N"]),)](
-                    x16[0], weight, out if row_scale is None else row_scale, out, out, n, k, weight.stride(0),
+                gemv_kernel[(-(-rows // config.kwargs["BLOCK_N"]),)](
+                    x16[0], weight, out if row_scale is None else row_scale, out, out, rows, k, weight.stride(0),
                     HAS_SCALE=row_scale is not None, HAS_BIAS=False, **config.kwargs, **prologue,
                     num_warps=config.num_warps, num_stages=config.num_stages)
-                label = f"{config} PROLOGUE={prologue['PROLOGUE']}"
+                label = f"{config} PROLOGUE={prologue['PROLOGUE']} GATED={prologue.get('GATED', False)}"
                 torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2, msg=lambda m: f"{label}: {m}")
                 if prologue["PROLOGUE"] == 2:
                     assert torch.equal(res_out, summed), label
@@ -165,6 +193,8 @@ def test_shapes_are_checked(device):
         rms_norm_gemv(x, None, torch.ones(4, device=device, dtype=torch.float16), EPS, False, w)
     with pytest.raises(ValueError, match="residual shape"):
         rms_norm_gemv(x, torch.zeros(8, device=device, dtype=torch.float16), w[0], EPS, False, w)
+    with pytest.raises(ValueError, match="an even number; got 3"):
+        rms_norm_gemv(x, None, w[0], EPS, False, w[:3], gated=True)
 
 
 # Llama-3.1-8B's layers on the GPU (compiled, autotuned): q/k/v after the input norm
@@ -191,3 +221,12 @@ def test_llama_8b_shapes_on_the_gpu(fp8):
         first, same = rms_norm_gemv(x, None, nw, EPS, gemma, w, None, scale)
         assert same is x
         torch.testing.assert_close(first, gemv(rms_norm(x, nw, EPS, gemma), w, None, scale), atol=1.6e-2, rtol=1.6e-2)
+
+    # gate/up (K=4096 -> 2 x 14336) after the post-attention norm, with the SiLU as it stores
+    x, w, b, scale = make(2 * 14336, 4096, dtype, "cuda", bias=True, fp8=fp8, seed=3)
+    residual = torch.randn_like(x)
+    nw = norm_weight(4096, False, dtype, "cuda")
+    out, summed = rms_norm_gemv(x, residual, nw, EPS, False, w, b, scale, gated=True)
+    assert out.shape == (1, 14336) and torch.equal(summed, x + residual)
+    unfused = silu_and_mul(gemv(fused_add_rms_norm(x, residual, nw, EPS)[0], w, b, scale))
+    torch.testing.assert_close(out, unfused, atol=1.6e-2, rtol=1.6e-2)

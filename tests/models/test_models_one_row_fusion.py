@@ -1,13 +1,14 @@
-"""Batch-1 decode steps with the norms and the SiLU activation fused into the next gemv give the
+"""Batch-1 decode steps with the norms and the SiLU activation fused into the gemvs give the
 logits of the unfused ops.
 
 Two models load the same tiny random checkpoint in bfloat16, each built inside
 ``custom_ops_scope``: one offered the unfused ops (``gemv``, the norms, ``silu_and_mul``), the
 other the same and ``rms_norm_gemv`` / ``silu_and_mul_gemv``. With the torch references as the
-ops, a fused op is the very arithmetic of the pair it replaces, so the logits are bit-identical;
+ops, a fused op is the very arithmetic of the ops it replaces, so the logits are bit-identical;
 with the Triton kernels (the interpreter on the CPU) they agree within bfloat16 rounding (the
 norm's mean square is summed in another order). Calls are counted: on a one-row step every norm
-before q/k/v and gate/up and every SiLU before down fuses, on longer steps none does.
+before q/k/v and gate/up fuses, and a SiLU MLP's activation goes with its norm and gate/up
+(``rms_norm_gemv`` with ``gated``), or, without ``rms_norm_gemv``, into down; on longer steps none does.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from runtime_kernels.activation import silu_and_mul_ref  # noqa: E402
 from runtime_kernels.norm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: E402
 
 FUSED = ("rms_norm_gemv", "silu_and_mul_gemv")
+COUNTED = (*FUSED, "rms_norm_gemv(gated)")
 REFERENCE_OPS = {
     "gemv": gemv_module.gemv_ref,
     "rms_norm": rms_norm_ref,
@@ -68,21 +70,26 @@ def run_steps(model, calls: dict[str, int] | None = None) -> list[torch.Tensor]:
     for tokens in steps:
         before = dict(calls or {})
         logits = torch.cat(runner.step(tokens)).float().cpu()
-        results.append(logits if calls is None else {n: calls.get(n, 0) - before.get(n, 0) for n in FUSED})
+        results.append(logits if calls is None else {n: calls.get(n, 0) - before.get(n, 0) for n in COUNTED})
     return results
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_reference_fused_ops_give_identical_logits(arch, tmp_path):
+@pytest.mark.parametrize("offered", ["both", "silu_and_mul_gemv"])
+def test_reference_fused_ops_give_identical_logits(arch, offered, tmp_path):
     resolved = resolve_model(build_untokenized_model(arch, tmp_path))
-    unfused, fused, calls = build_pair(resolved, REFERENCE_OPS, "cpu")
+    ops = REFERENCE_OPS if offered == "both" else {n: op for n, op in REFERENCE_OPS.items() if n != "rms_norm_gemv"}
+    unfused, fused, calls = build_pair(resolved, ops, "cpu")
     for step, (want, have) in enumerate(zip(run_steps(unfused), run_steps(fused))):
         assert torch.equal(have, want), f"{arch} step {step}"
 
     layers = NUM_LAYERS[arch]
     silu = 0 if arch == "gemma3" else layers  # Gemma's gelu-tanh MLP has no fused op
-    one_row = {"rms_norm_gemv": 2 * layers, "silu_and_mul_gemv": silu}
-    none = dict.fromkeys(FUSED, 0)
+    if offered == "both":  # the SiLU with the norm and gate/up, down plain
+        one_row = {"rms_norm_gemv": 2 * layers, "silu_and_mul_gemv": 0, "rms_norm_gemv(gated)": silu}
+    else:  # the norms apart, the SiLU into down
+        one_row = {"rms_norm_gemv": 0, "silu_and_mul_gemv": silu, "rms_norm_gemv(gated)": 0}
+    none = dict.fromkeys(COUNTED, 0)
     calls.clear()
     assert run_steps(fused, calls) == [none, one_row, one_row, none]  # the prompt (5 rows) and 2 rows: unfused
 
@@ -95,7 +102,9 @@ def test_kernels_in_a_tiny_model(arch, kernel_device, tmp_path):
     for step, (want, have) in enumerate(zip(run_steps(unfused), run_steps(fused))):
         assert want.abs().max() > 1, "logits too small for the comparison to mean much"
         torch.testing.assert_close(have, want, atol=0.05, rtol=0.02, msg=lambda m: f"{arch} step {step}: {m}")
-    assert calls["rms_norm_gemv"] == 2 * 2 * NUM_LAYERS[arch] and calls["silu_and_mul_gemv"] == 2 * NUM_LAYERS[arch]
+    layers = NUM_LAYERS[arch]
+    assert calls["rms_norm_gemv"] == 2 * 2 * layers and calls["rms_norm_gemv(gated)"] == 2 * layers, calls
+    assert "silu_and_mul_gemv" not in calls
 
 
 class CountingAllReduce:
@@ -122,7 +131,7 @@ def test_tensor_parallel_ranks_fuse_their_parts(monkeypatch):
              [("gate", (inter, size)), ("up", (inter, size)), ("down", (size, inter)), ("bias", (size,)), ("norm", (size,))]}
     x, residual = (torch.randn(1, size, generator=g).to(dtype) for _ in range(2))
 
-    def rank_output(rank: int, ops: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def rank_output(rank: int, ops: dict, after_norm: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
         platform = CountingAllReduce()
         monkeypatch.setattr(parallel_state, "_state", parallel_state.ParallelState(tp_rank=rank, tp_size=2, platform=platform))
         with custom_ops_scope(ops):
@@ -135,6 +144,9 @@ def test_tensor_parallel_ranks_fuse_their_parts(monkeypatch):
             mlp.down_proj.load_param("weight", whole["down"].float())
             mlp.down_proj.load_param("bias", whole["bias"].float())
         norm.to(dtype), mlp.to(dtype)
+        if after_norm:
+            out, summed = mlp.after_norm(norm, x, residual)
+            return out, summed, platform.num_calls
         gate_up, summed = norm_into(norm, mlp.gate_up_proj, x, residual)
         return mlp.down(gate_up), summed, platform.num_calls
 
@@ -151,6 +163,14 @@ def test_tensor_parallel_ranks_fuse_their_parts(monkeypatch):
     gate, up = normed.float() @ whole["gate"].float().t(), normed.float() @ whole["up"].float().t()
     expected = (torch.nn.functional.silu(gate) * up) @ whole["down"].float().t() + whole["bias"].float()
     torch.testing.assert_close(parts[0] + parts[1], expected, atol=0.05, rtol=0.02)  # the bias once
+
+    # MLP.after_norm: each rank's norm, gate/up part and SiLU in one gated call, its down part plain
+    calls.clear()
+    for rank in (0, 1):
+        want, want_summed, _ = rank_output(rank, unfused_ops)
+        have, have_summed, num_reduces = rank_output(rank, counted(REFERENCE_OPS, calls), after_norm=True)
+        assert torch.equal(have, want) and torch.equal(have_summed, want_summed) and num_reduces == 1
+    assert calls["rms_norm_gemv(gated)"] == 2 and "silu_and_mul_gemv" not in calls, calls
 
 
 class DenseStandInMethod:
@@ -193,7 +213,7 @@ def test_quantized_layers_fuse_through_their_linear_method(rows, monkeypatch):
     down's bias reaches rank 0's method alone, down's output goes through the all-reduce once; a
     method that declines (3 rows here) or has no fused forms leaves the ops apart."""
     from runtime.distributed import parallel_state
-    from runtime.models.layers import MLP, RMSNorm, norm_into
+    from runtime.models.layers import MLP, RMSNorm
 
     size, inter, dtype = 64, 96, torch.bfloat16
     g = torch.Generator().manual_seed(1)
@@ -216,8 +236,8 @@ def test_quantized_layers_fuse_through_their_linear_method(rows, monkeypatch):
                                             whole["up"][rank * half:(rank + 1) * half]])
         mlp.down_proj.dense = whole["down"][:, rank * half:(rank + 1) * half]
         mlp.gate_up_proj.quant_method = mlp.down_proj.quant_method = method
-        gate_up, summed = norm_into(norm, mlp.gate_up_proj, x, residual)
-        return mlp.down(gate_up), summed, platform.num_calls
+        out, summed = mlp.after_norm(norm, x, residual)  # as the models call it: no gated form here
+        return out, summed, platform.num_calls
 
     for rank in (0, 1):
         calls: list = []

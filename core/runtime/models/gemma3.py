@@ -62,8 +62,8 @@ class Gemma3DecoderLayer(nn.Module):
         # the norms after attention and the MLP read their outputs, and gelu-tanh has no fused op.
         qkv, residual = norm_into(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn.attend(qkv, rotation))
-        gate_up, residual = norm_into(self.pre_feedforward_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp.down(gate_up)), residual
+        hidden, residual = self.mlp.after_norm(self.pre_feedforward_layernorm, hidden, residual)
+        return self.post_feedforward_layernorm(hidden), residual
 
 
 class Gemma3Model(nn.Module):

@@ -47,17 +47,22 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def fused_into(
-        self, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None
+        self, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(linear(self(s)), s)`` with ``s = x + residual`` (``x`` without a residual) in one
         ``rms_norm_gemv`` kernel, or one of ``linear``'s quantized kernels (:meth:`Linear.quant_fused`),
         or None where the platform offers none or ``linear`` would not run the one-row gemv (see
         :meth:`Linear.gemv_operands`) and its linear method fuses none. ``linear``'s input must be whole
-        on every rank (replicated or column-parallel), as a norm's output is."""
+        on every rank (replicated or column-parallel), as a norm's output is. ``gated``: ``linear`` is a
+        column-parallel ``[gate | up]`` projection and the first result ``silu(gate) * up`` of its
+        output, from the ``rms_norm_gemv`` kernel only."""
         operands = None if self._rms_norm_gemv is None else linear.gemv_operands(x)
         if operands is not None:
-            out, residual = self._rms_norm_gemv(x, residual, self.weight, self.eps, self.is_gemma, *operands)
+            extra = {"gated": True} if gated else {}
+            out, residual = self._rms_norm_gemv(x, residual, self.weight, self.eps, self.is_gemma, *operands, **extra)
             return linear.reduce_output(out), residual
+        if gated:
+            return None
         fused = linear.quant_fused("apply_rms_norm", x, residual, self.weight, self.eps, self.is_gemma)
         return None if fused is None else (linear.reduce_output(fused[0]), fused[1])
 
@@ -193,6 +198,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.down(self.gate_up_proj(x))
+
+    def after_norm(
+        self, norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(s)), s)`` with ``s = hidden + residual`` (as :func:`norm_into`). On batch-1 steps
+        of a SiLU MLP after an :class:`RMSNorm` the norm, the gate/up projection and the activation
+        may be one kernel (:meth:`RMSNorm.fused_into` with ``gated``), else the norm goes into gate/up
+        and the activation into down where each can (:func:`norm_into`, :meth:`down`)."""
+        if isinstance(self.act_fn, SiluAndMul) and isinstance(norm, RMSNorm):
+            fused = norm.fused_into(self.gate_up_proj, hidden, residual, gated=True)
+            if fused is not None:
+                return self.down_proj(fused[0]), fused[1]
+        gate_up, residual = norm_into(norm, self.gate_up_proj, hidden, residual)
+        return self.down(gate_up), residual
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * intermediate / tp] -> [T, hidden]
         """``down_proj(act(gate_up))``, in one kernel where the activation fuses into ``down_proj``."""

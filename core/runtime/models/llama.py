@@ -7,8 +7,9 @@ backend and paged KV cache.
 Decoder layers pass the residual stream along (``hidden, residual = norm(hidden,
 residual)``) so that "add the residual, then normalize" is one call, which a platform
 may fuse into one kernel; in plain torch it is the same ``x + f(x)`` as before. A norm and
-the projection after it go together too (``norm_into``), as do the MLP's activation and its
-down projection (``MLP.down``): a batch-1 step fuses each pair into one gemv where it can.
+the projection after it go together too (``norm_into``), and the MLP takes its norm
+(``MLP.after_norm``): a batch-1 step runs the norm, gate/up and SiLU as one gemv where it can,
+else fuses the norm into gate/up and the activation into down.
 """
 
 from __future__ import annotations
@@ -148,8 +149,7 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm goes with the projection after it, so that a batch-1 step may fuse the two.
         qkv, residual = norm_into(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn.attend(qkv, rotation)
-        gate_up, residual = norm_into(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp.down(gate_up), residual  # the next layer adds them
+        return self.mlp.after_norm(self.post_attention_layernorm, hidden, residual)  # the next layer adds them
 
 
 class LlamaModel(nn.Module):

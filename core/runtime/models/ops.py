@@ -26,15 +26,21 @@ The names and signatures a platform may provide (:data:`CUSTOM_OPS`):
   weight, bias)`` in one kernel for one row ``x`` [1, 2 * K] = ``[gate | up]``, ``weight``
   [N, K]; ``silu(gate) * up`` rounded to ``x.dtype`` as ``silu_and_mul``. ``scale`` (float32
   [N]): ``weight`` holds FP8 codes, row ``i`` worth ``weight[i] * scale[i]``.
-* ``rms_norm_gemv(x, residual, norm_weight, eps, gemma, weight, bias=None, scale=None) ->
+* ``rms_norm_gemv(x, residual, norm_weight, eps, gemma, weight, bias=None, scale=None, gated=False) ->
   (out, s)``: ``s = x + residual`` (``x`` itself when ``residual`` is None) and ``out =
   gemv(rms_norm(s, norm_weight, eps, gemma), weight, bias)`` in one kernel for one row ``x``
-  [1, K], rounded as ``fused_add_rms_norm``; ``scale`` as above. Inputs untouched.
+  [1, K], rounded as ``fused_add_rms_norm``; ``scale`` as above. Inputs untouched. With
+  ``gated``, ``weight`` [2 * N, K] is a fused ``[gate | up]`` projection (``bias``, ``scale``
+  [2 * N]) and ``out`` [1, N] is ``silu_and_mul`` of that product, each half rounded to
+  ``x.dtype`` first.
 
   Both serve batch-1 decode steps: a norm (:meth:`~runtime.models.layers.RMSNorm.fused_into`)
   or the SiLU MLP activation (:meth:`~runtime.models.layers.SiluAndMul.fused_into`) uses one
   in place of itself and the linear layer after it only where that layer would have run the
-  one-row ``gemv`` kernel anyway (:meth:`~runtime.models.linear.Linear.gemv_operands`).
+  one-row ``gemv`` kernel anyway (:meth:`~runtime.models.linear.Linear.gemv_operands`); a SiLU
+  MLP after an RMSNorm takes the norm, gate/up and the activation as one gated call
+  (:meth:`~runtime.models.layers.MLP.after_norm`). A platform may run an op as two launches
+  where its fused kernel would be slower for the weights given.
 * ``top_k_top_p(logits, top_k, top_p, max_top_k) -> logits``: the sampler's top-k then
   top-p filters (filtered logits at -inf, a new tensor) for batches where every row that
   top-p filters also has a top-k (``top_p`` may be ``None``); no host sync. The sampler

@@ -16,6 +16,12 @@ layer's launch (0: ``x`` as given, the plain kernel):
   program 0 also writes ``x + residual`` to ``residual_out``.
 
 Both round as the unfused kernels of ``activation.py`` and ``norm.py`` do.
+
+``GATED`` computes the gated activation after the product instead, for the layer before it: the
+weight holds ``2 * N`` rows ``[gate | up]`` (a fused gate/up projection) and the program's rows
+``n`` and ``N + n`` give ``out[n] = silu(gate[n]) * up[n]``, each product rounded to the output
+dtype first, as the plain kernel followed by ``silu_and_mul`` rounds them. The layer after it then
+reads ``N`` values of ``x`` per program instead of computing the activation of ``2 * N``.
 """
 
 from __future__ import annotations
@@ -46,19 +52,24 @@ def gemv_kernel(
     PROLOGUE: tl.constexpr = 0,
     HAS_RESIDUAL: tl.constexpr = False,
     GEMMA: tl.constexpr = False,
+    GATED: tl.constexpr = False,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    up_rows = rows + N * stride_w  # GATED: the up projection's rows
     if PROLOGUE == 2:
         num_stored = tl.where(tl.program_id(0) == 0, K, 0)  # features of x + residual this program stores
         inv_rms = _inv_rms(x_ptr, residual_ptr, residual_out_ptr, K, eps, num_stored, HAS_RESIDUAL, BLOCK_K)
     # ROW_SUMS reduces every slice at once (fewer registers, more shuffles).
     acc = tl.zeros([BLOCK_N, 1 if ROW_SUMS else BLOCK_K], dtype=tl.float32)
+    up_acc = tl.zeros([BLOCK_N, 1 if ROW_SUMS else BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if GATED:
+            w_up = tl.load(up_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if PROLOGUE == 0:
             x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
         elif PROLOGUE == 1:
@@ -67,14 +78,30 @@ def gemv_kernel(
             x = _rms_norm_slice(x_ptr, residual_ptr, norm_w_ptr, offs_k, k_ok, inv_rms, HAS_RESIDUAL, GEMMA)
         if ROW_SUMS:
             acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1, keep_dims=True)
+            if GATED:
+                up_acc += tl.sum(w_up.to(tl.float32) * x.to(tl.float32)[None, :], axis=1, keep_dims=True)
         else:
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if GATED:
+                up_acc += w_up.to(tl.float32) * x.to(tl.float32)[None, :]
+    out = _finish_rows(acc, scale_ptr, bias_ptr, offs_n, n_ok, HAS_SCALE, HAS_BIAS)
+    if GATED:  # each projection rounded as the plain kernel stores it, then silu_and_mul_kernel's rounding
+        ty = out_ptr.dtype.element_ty
+        up = _finish_rows(up_acc, scale_ptr + N, bias_ptr + N, offs_n, n_ok, HAS_SCALE, HAS_BIAS).to(ty).to(tl.float32)
+        gate = out.to(ty).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32) * up
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _finish_rows(acc, scale_ptr, bias_ptr, offs_n, n_ok, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The rows' sums of ``acc`` [BLOCK_N, *] in float32, times their scales, plus their biases."""
     out = tl.sum(acc, axis=1)
     if HAS_SCALE:
         out *= tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    return out
 
 
 @triton.jit
@@ -153,8 +180,10 @@ GEMV_8BIT_CONFIGS = _configs((
 # device; the interpreter runs the plain kernel with a fixed shape instead).
 gemv_kernel_tuned = triton.autotune(configs=GEMV_CONFIGS, key=["N", "K"])(gemv_kernel)
 gemv_8bit_kernel_tuned = triton.autotune(configs=GEMV_8BIT_CONFIGS, key=["N", "K"])(gemv_kernel)
-# The prologue variants tune apart (the same launch shapes to choose from): a layer's (N, K) is
-# the same with and without one, and the norm's first pass moves the best shape.
+# The prologue and gated variants tune apart (the same launch shapes to choose from): a layer's (N, K)
+# is the same with and without a prologue, and the norm's first pass or the second weight rows move the best shape.
 PROLOGUE_KEY = ["N", "K", "PROLOGUE", "HAS_RESIDUAL"]
 gemv_prologue_kernel_tuned = triton.autotune(configs=GEMV_CONFIGS, key=PROLOGUE_KEY)(gemv_kernel)
 gemv_8bit_prologue_kernel_tuned = triton.autotune(configs=GEMV_8BIT_CONFIGS, key=PROLOGUE_KEY)(gemv_kernel)
+gemv_gated_kernel_tuned = triton.autotune(configs=GEMV_CONFIGS, key=PROLOGUE_KEY)(gemv_kernel)
+gemv_8bit_gated_kernel_tuned = triton.autotune(configs=GEMV_8BIT_CONFIGS, key=PROLOGUE_KEY)(gemv_kernel)

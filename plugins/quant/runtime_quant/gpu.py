@@ -110,14 +110,6 @@ def fp8_gemv_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.
     n, k = layer.weight.shape
     if dtype != torch.bfloat16 or n % 16 or k % 16 or layer.weight_scale.dim() != 1:
         return None
-    if layer.weight.device.type == "cuda":
-        # On a GPU only where the CUDA GEMV runs it: there a block computes the prologue once for all its rows;
-        # the Triton gemv's programs each compute it, which for 1-byte rows cost more than the launches saved
-        # (W3 on an H100: 3.63 -> 3.92 ms; benchmarks/RESULTS.md, session 15)
-        from runtime_kernels import gemv_cuda
-
-        if not (gemv_cuda.PROLOGUES and gemv_cuda.takes(layer.weight, dtype)):
-            return None
     return layer.weight, layer.weight_scale
 
 
