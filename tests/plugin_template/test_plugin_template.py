@@ -4,6 +4,12 @@ Render it with `cookiecutter --no-input`, install the result with `runtime plugi
 install -e`, check that `runtime plugins --json` (a fresh process) lists it, generate
 text with the attention backend it registers, run the generated project's own tests,
 then `runtime plugins uninstall` it.
+
+The plugin goes into a virtual environment over this one's packages (``--system-site-packages``),
+not into this environment: processes of the rest of the suite, which may run at the same time
+(pytest-xdist), would otherwise find its entry point and fail to load it while it is being
+installed or removed. This process sees it by putting that environment's site-packages (its
+distribution's metadata) and the project (its module) on ``sys.path``.
 """
 
 import importlib
@@ -20,7 +26,6 @@ import torch
 import yaml
 
 from runtime import LLM, SamplingParams, plugins
-from runtime.cli import main as cli
 
 from runtime.testing.models import build_tiny_model
 
@@ -34,9 +39,17 @@ MODULE = f"runtime_{UNDERSCORED}"
 BACKEND = f"{UNDERSCORED}_sdpa"
 
 
-def _run(*args, cwd=None, timeout=300):
+def _run(*args, cwd=None, timeout=300, python=sys.executable):
     env = {k: v for k, v in os.environ.items() if k != plugins.ALLOW_LIST_ENV}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    """(python, site-packages) of a virtual environment that sees this one's packages."""
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)], check=True)
+    return root / "bin" / "python", next((root / "lib").glob("python*/site-packages"))
 
 
 @pytest.fixture(scope="module")
@@ -51,28 +64,33 @@ def project(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def installed(project):
-    """The rendered project installed (editable) with `runtime plugins install`; uninstalled afterwards."""
+def installed(project, venv):
+    """The rendered project installed (editable) with `runtime plugins install` into ``venv``;
+    uninstalled afterwards."""
+    python, site = venv
     saved = plugins._manager
-    # The editable install's import hook is read at interpreter start; this process
-    # imports the module from the project folder instead.
-    sys.path.insert(0, str(project))
+    result = _run("-m", "runtime.cli.main", "plugins", "install", "-e", str(project), "--no-deps",
+                  "--no-build-isolation", python=python)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The editable install's import hook is read at interpreter start; this process finds the
+    # distribution's metadata in the environment's site-packages and imports the module from the project.
+    sys.path[:0] = [str(site), str(project)]
     try:
-        argv = ["plugins", "install", "-e", str(project), "--no-deps", "--no-build-isolation"]
-        assert cli.main(argv) == 0
         importlib.invalidate_caches()
+        assert metadata.distribution(DISTRIBUTION).version == "0.1.0"
         yield project
     finally:
-        plugins.reset_plugin_manager(None)  # a manager loaded now would import the plugin: keep it off
-        rc = cli.main(["--plugins", "", "plugins", "uninstall", DISTRIBUTION, "-y"])
-        os.environ.pop(plugins.ALLOW_LIST_ENV, None)
         plugins.reset_plugin_manager(saved)
-        sys.path.remove(str(project))
+        for path in (str(site), str(project)):
+            sys.path.remove(path)
         for name in [m for m in sys.modules if m == MODULE or m.startswith(MODULE + ".")]:
             del sys.modules[name]
-        assert rc == 0
-        with pytest.raises(metadata.PackageNotFoundError):
-            metadata.distribution(DISTRIBUTION)
+        importlib.invalidate_caches()
+        result = _run("-m", "runtime.cli.main", "--plugins", "", "plugins", "uninstall", DISTRIBUTION, "-y",
+                      python=python)
+        assert result.returncode == 0, result.stdout + result.stderr
+        gone = _run("-c", f"import importlib.metadata as m; m.distribution({DISTRIBUTION!r})", python=python)
+        assert gone.returncode != 0 and "PackageNotFoundError" in gone.stderr
 
 
 def test_rendered_files(project):
@@ -121,8 +139,8 @@ def test_invalid_plugin_name_is_refused(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_listed_by_runtime_plugins_in_a_fresh_process(installed):
-    result = _run("-m", "runtime.cli.main", "plugins", "--json")
+def test_listed_by_runtime_plugins_in_a_fresh_process(installed, venv):
+    result = _run("-m", "runtime.cli.main", "plugins", "--json", python=venv[0])
     assert result.returncode == 0, result.stderr
     rows = {row["name"]: row for row in json.loads(result.stdout)}
     assert rows[HYPHENATED]["distribution"] == DISTRIBUTION
@@ -130,7 +148,7 @@ def test_listed_by_runtime_plugins_in_a_fresh_process(installed):
     assert rows[HYPHENATED]["registered"] == {"attention_backend": [BACKEND]}
     assert rows[HYPHENATED]["hooks"] == ["register_attention_backends"]
     # --plugins loads only the named plugin (and the core)
-    result = _run("-m", "runtime.cli.main", "plugins", "--plugins", HYPHENATED, "--json")
+    result = _run("-m", "runtime.cli.main", "plugins", "--plugins", HYPHENATED, "--json", python=venv[0])
     assert result.returncode == 0, result.stderr
     assert {row["name"] for row in json.loads(result.stdout)} == {plugins.BUILTIN_PLUGIN_NAME, HYPHENATED}
 
@@ -163,8 +181,16 @@ def test_backend_selected_by_flag_and_used_in_generation(installed, plugin_manag
 CONFORMANCE_SLICE = "not test_greedy_tokens_match_transformers or llama or gemma3"
 
 
-def test_generated_projects_own_tests_pass(installed):
-    result = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CONFORMANCE_SLICE, cwd=installed, timeout=900)
+def test_generated_projects_own_tests_pass(installed, venv):
+    result = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", CONFORMANCE_SLICE, cwd=installed, timeout=900,
+                  python=venv[0])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
-    assert "test_conformance.py" in _run("-m", "pytest", "--collect-only", "-q", cwd=installed).stdout
+    assert "test_conformance.py" in _run("-m", "pytest", "--collect-only", "-q", cwd=installed, python=venv[0]).stdout
+
+
+def test_the_rest_of_the_suite_does_not_see_it(installed):
+    """This environment's processes (the other tests', servers') list no such plugin."""
+    result = _run("-m", "runtime.cli.main", "plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    assert HYPHENATED not in {row["name"] for row in json.loads(result.stdout)}
