@@ -234,8 +234,8 @@ def test_tensor_parallel_engine_greedy_tokens_match_one_gpu(tmp_path, monkeypatc
 
 def test_tensor_parallel_bf16_batch_1_decode_with_fused_prologues(tmp_path):
     """bfloat16 at TP=2, one sequence at a time: every decode step is batch 1, where each rank runs
-    the norms and SiLU inside its projections' gemv (rms_norm_gemv, silu_and_mul_gemv, tested rank by
-    rank in tests/models/test_models_one_row_fusion.py) under decode graphs. Greedy tokens and
+    the norms inside its projections' gemv and the SiLU as its gate/up gemv stores (rms_norm_gemv, with
+    gated for gate/up; tested rank by rank in tests/models/test_models_one_row_fusion.py) under decode graphs. Greedy tokens and
     logprobs stay within bfloat16 rounding of transformers (compared until the first differing token)."""
     from transformers import AutoModelForCausalLM
 
