@@ -68,7 +68,8 @@ def compile_elementwise():
 
 
 def compile_gemv():
-    """The plain one-row gemv and its prologue variants, 16- and 8-bit weights, each kind of launch shape."""
+    """The plain one-row gemv, its prologue variants and the gated one (with and without the norm), 16- and
+    8-bit weights, each kind of launch shape."""
     from runtime_kernels.jit.gemv import gemv_kernel
 
     norm_args = {"residual_ptr": "*bf16", "norm_w_ptr": "*bf16", "residual_out_ptr": "*bf16", "eps": "fp32"}
@@ -77,11 +78,13 @@ def compile_gemv():
         sig = {"x_ptr": "*bf16", "w_ptr": f"*{weight}", "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                "N": "i32", "K": "i32", "stride_w": "i32"}
         launch = dict(HAS_SCALE=weight != "bf16", HAS_BIAS=True, BLOCK_N=2 if row_sums else 8, BLOCK_K=block_k,
-                      ROW_SUMS=row_sums, HAS_RESIDUAL=False, GEMMA=False)
+                      ROW_SUMS=row_sums, HAS_RESIDUAL=False, GEMMA=False, GATED=False)
         compile_for_sm90(gemv_kernel, sig, dict(launch, PROLOGUE=0, **unused))
         compile_for_sm90(gemv_kernel, sig, dict(launch, PROLOGUE=1, **unused))
+        compile_for_sm90(gemv_kernel, sig, dict(launch, PROLOGUE=0, GATED=True, **unused))
         for residual, gemma in ((True, False), (False, True)):
             compile_for_sm90(gemv_kernel, sig | norm_args, dict(launch, PROLOGUE=2, HAS_RESIDUAL=residual, GEMMA=gemma))
+        compile_for_sm90(gemv_kernel, sig | norm_args, dict(launch, PROLOGUE=2, HAS_RESIDUAL=True, GATED=True))
 
 
 if __name__ == "__main__":
