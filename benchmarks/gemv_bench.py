@@ -8,9 +8,10 @@ a wider grid per layer and prints the fastest next to the autotuner's choice. ``
 the layers that follow a norm (q/k/v, gate/up) or the SiLU activation (down) with that op fused
 into the gemv's prologue against the two launches it replaces. On a GPU where it compiles, ``gemv``
 is the CUDA kernel (``RUNTIME_GEMV_CUDA=0``: the Triton one); ``--cuda-shapes`` times each of its
-row shapes (rows a warp, stretches in flight) per layer.
+row shapes (rows a warp, stretches in flight) per layer; ``--gated`` times gate/up storing the SiLU of its
+product against the plain gemv with and without the ``silu_and_mul`` kernel after it.
 
-    python3 benchmarks/gemv_bench.py [--dtype fp8] [--sweep | --fused | --cuda-shapes]
+    python3 benchmarks/gemv_bench.py [--dtype fp8] [--sweep | --fused | --cuda-shapes | --gated]
 """
 
 from __future__ import annotations
@@ -111,6 +112,22 @@ def compare_fused(dtype: str) -> None:
     print(f"{dtype}: per decode step of the 8B model the prologues save {saved / 1000:.3f} ms")
 
 
+def compare_gated(dtype: str) -> None:
+    """gate/up's gemv storing ``silu(gate) * up`` (gated) against the plain gemv and against the plain gemv
+    followed by the ``silu_and_mul`` kernel (the unfused pair), without the norm before it."""
+    from runtime_kernels.activation import silu_and_mul
+    from runtime_kernels.gemv import _launch
+
+    _, w, scale = make_weight("gate_up", dtype == "fp8")
+    x = torch.randn(SHAPES["gate_up"][1], dtype=torch.bfloat16, device="cuda")
+    torch.testing.assert_close(_launch(x, w, None, scale, gated=True), silu_and_mul(_launch(x, w, None, scale)[None])[0],
+                               atol=2e-2, rtol=2e-2)
+    plain = time_us(lambda: _launch(x, w, None, scale))
+    gated = time_us(lambda: _launch(x, w, None, scale, gated=True))
+    apart = time_us(lambda: silu_and_mul(_launch(x, w, None, scale)[None])[0])
+    print(f"{dtype}: gate_up plain {plain:.1f} us, gated {gated:.1f} us, plain + silu_and_mul {apart:.1f} us")
+
+
 def cuda_shapes(dtype: str) -> None:
     from runtime_kernels import gemv_cuda
 
@@ -135,9 +152,12 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--fused", action="store_true", help="time the norm and SiLU prologues instead")
     parser.add_argument("--cuda-shapes", action="store_true", help="time the CUDA kernel's row shapes instead")
+    parser.add_argument("--gated", action="store_true", help="time gate/up with the SiLU as it stores instead")
     args = parser.parse_args()
     if args.fused:
         return compare_fused(args.dtype)
+    if args.gated:
+        return compare_gated(args.dtype)
     if args.cuda_shapes:
         return cuda_shapes(args.dtype)
     fp8 = args.dtype == "fp8"
