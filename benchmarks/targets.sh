@@ -10,6 +10,7 @@
 # attention: one layer of W2's decode attention, 256 x 1,500 keys, bf16 and FP8 caches (FP8 >= 3.5 TB/s).
 # tp2 (two GPUs): W3 at tensor-parallel size 2, bf16 (<= 2.4 ms) and 4-bit.
 # Dummy weights of the Llama-3.1-8B shape (benchmarks/configs/llama-3.1-8b); logs under ${OUT:-target-results}.
+# Needs the project, hardware/cuda, kernels and plugins/quant installed on the GPU machine.
 set -uo pipefail
 
 PARTS=${*:-w3 attention}
