@@ -79,13 +79,21 @@ class FakeProducer:
     """A prefill instance's block server answering every pull with ``reply``, and its notice port."""
 
     def __init__(self, reply: ClaimReply):
-        self.port = free_port()
         self.context = zmq.Context()
-        self.server = self.context.socket(zmq.ROUTER)
-        self.server.bind(f"tcp://127.0.0.1:{self.port}")
-        self.notices = self.context.socket(zmq.PULL)
-        self.notices.bind(f"tcp://127.0.0.1:{self.port + 1}")
+        self.context.setsockopt(zmq.LINGER, 0)
         self.reply = reply
+        for _ in range(20):  # the notice port is the block server's + 1: both free, or another pair (other tests bind too)
+            self.port = free_port()
+            self.server, self.notices = self.context.socket(zmq.ROUTER), self.context.socket(zmq.PULL)
+            try:
+                self.server.bind(f"tcp://127.0.0.1:{self.port}")
+                self.notices.bind(f"tcp://127.0.0.1:{self.port + 1}")
+                return
+            except zmq.ZMQError:
+                self.server.close()
+                self.notices.close()
+        self.context.destroy()
+        raise RuntimeError("found no two free ports in a row for the fake producer")
 
     def answer(self) -> str:
         assert self.server.poll(5000)

@@ -151,6 +151,8 @@ class EngineCoreClient(DeathState):
         self._sync_ctx = zmq.Context()
         self._input = self._sync_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
+        # A client dropped without shutdown() (its engine gone) must not block the collector on unsent requests.
+        self._input.setsockopt(zmq.LINGER, 0)
         self._input.bind(addresses.inputs[client_index])
         self._ctx = zmq.asyncio.Context()
         self._output = self._ctx.socket(zmq.PULL)
