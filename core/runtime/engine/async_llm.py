@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
-from runtime.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailure
+from runtime.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailure, holding_stop_signals
 from runtime.engine.dp_client import DPEngineCoreClient, make_engine_client
 from runtime.engine.input_processor import InputProcessor, PromptType
 from runtime.engine.llm_engine import load_tokenizer
@@ -77,12 +77,16 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         try:  # a failure (or a SIGTERM's KeyboardInterrupt) anywhere below must not leave the engine running
-            self.tokenizer = load_tokenizer(config)
-            self.input_processor = InputProcessor(
-                config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend")
-            )
-            self.output_processor = OutputProcessor(self.tokenizer, stream_interval)
-            self.metrics = metrics or EngineMetrics(config.model_config.served_model_name)
+            # A stop signal takes effect after the block, not inside the libraries' imports that loading a
+            # tokenizer runs: there a KeyboardInterrupt was swallowed once (the server then served on), or
+            # passed through C code that made the interpreter's exit code that of SIGINT.
+            with holding_stop_signals():
+                self.tokenizer = load_tokenizer(config)
+                self.input_processor = InputProcessor(
+                    config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend")
+                )
+                self.output_processor = OutputProcessor(self.tokenizer, stream_interval)
+                self.metrics = metrics or EngineMetrics(config.model_config.served_model_name)
         except BaseException:
             self.engine_core.shutdown()
             raise

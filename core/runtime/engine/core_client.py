@@ -62,6 +62,21 @@ class RequestFailure:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop_requested = threading.Event()
+
+
+def note_stop_request() -> None:
+    """Record that a signal asked this process to stop (the server's SIGTERM handler calls this, then raises
+    KeyboardInterrupt). Library code can swallow that exception: a bare ``except`` around an import, met while
+    the tokenizer loads, did, and the server then served on. Start-up checks this record at each wait
+    (:func:`raise_if_stop_requested`), so a swallowed stop still stops it."""
+    _stop_requested.set()
+
+
+def raise_if_stop_requested() -> None:
+    """KeyboardInterrupt if a stop was requested (see :func:`note_stop_request`)."""
+    if _stop_requested.is_set():
+        raise KeyboardInterrupt("a stop signal arrived during start-up")
 
 
 @contextlib.contextmanager
@@ -184,6 +199,7 @@ class EngineCoreClient(DeathState):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
+            raise_if_stop_requested()
             if loop.time() > deadline:
                 self.shutdown()
                 raise EngineStartupError(f"the engine was not ready after {timeout_s:.0f}s")

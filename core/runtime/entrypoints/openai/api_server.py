@@ -22,7 +22,7 @@ from fastapi.responses import Response
 
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
-from runtime.engine.core_client import EngineStartupError
+from runtime.engine.core_client import EngineStartupError, raise_if_stop_requested
 from runtime.entrypoints.openai import middleware
 from runtime.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from runtime.entrypoints.openai.limits import RequestLimits
@@ -266,6 +266,7 @@ async def serve(args, engine_args: EngineArgs, config: EngineConfig, sock=None, 
         watching = asyncio.create_task(watchdog)
         watching.add_done_callback(lambda _: setattr(server, "should_exit", True))
     try:
+        raise_if_stop_requested()  # a SIGTERM since start-up whose KeyboardInterrupt a library swallowed
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         stopping.cancel()

@@ -30,7 +30,9 @@ import tempfile
 import time
 
 from runtime.config import EngineConfig
-from runtime.engine.core_client import EngineCoreClient, holding_stop_signals, spawn_engine_core, stop_process
+from runtime.engine.core_client import (
+    EngineCoreClient, holding_stop_signals, raise_if_stop_requested, spawn_engine_core, stop_process,
+)
 from runtime.engine.core_proc import EngineCoreAddresses
 from runtime.engine.dp_client import DPEngineCoreClient
 from runtime.engine.dp_placement import replica_placements
@@ -87,6 +89,7 @@ def run_api_servers(args, engine_args: EngineArgs, config: EngineConfig | None =
             worker.start()
         logger.info("%d API server processes (pids %s) share http://%s:%d", count,
                     ", ".join(str(w.pid) for w in workers), args.host, args.port)
+        raise_if_stop_requested()  # a SIGTERM during start-up whose KeyboardInterrupt a library swallowed
         failure = _watch(engines, workers)
     except KeyboardInterrupt:
         failure = None

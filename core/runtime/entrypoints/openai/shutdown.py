@@ -4,7 +4,9 @@ uvicorn catches SIGTERM while it serves and raises it again once it has
 stopped; with Python's default action that second SIGTERM would kill the
 process before the engine process is told to stop. Here SIGTERM raises
 KeyboardInterrupt instead, which unwinds through the shutdown code (before
-uvicorn serves, while the engine still loads, it does so at once).
+uvicorn serves, while the engine still loads, it does so at once). The signal
+is also recorded: where library code swallows the exception (a bare except
+around an import), start-up raises it again at its next wait, or before serving.
 
 Once uvicorn is told to stop it waits a grace period for open requests,
 then cancels them mid-flight; ``abort_requests_on_exit`` fails them first
@@ -21,6 +23,9 @@ _POLL_S = 0.1  # uvicorn itself checks should_exit this often
 
 
 def _interrupt(signum, frame) -> None:
+    from runtime.engine.core_client import note_stop_request
+
+    note_stop_request()  # in case the exception below lands in library code that swallows it
     raise KeyboardInterrupt(f"signal {signum}")
 
 
