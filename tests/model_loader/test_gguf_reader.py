@@ -26,10 +26,10 @@ def opened(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", Counting)
     monkeypatch.setattr(gguf, "GGUFReader", Counting)
-    for cache in (shared._reader, resolve._cached_gguf_config, tokenizer._gguf_tokenizer):
+    for cache in (shared.gguf_reader, resolve._cached_gguf_config, tokenizer._gguf_tokenizer):
         cache.cache_clear()
     yield paths
-    for cache in (shared._reader, resolve._cached_gguf_config, tokenizer._gguf_tokenizer):
+    for cache in (shared.gguf_reader, resolve._cached_gguf_config, tokenizer._gguf_tokenizer):
         cache.cache_clear()
 
 

@@ -14,16 +14,34 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+_KEPT_FROM_BYTES = 16 << 20  # smaller files (tests' tiny models) parse in milliseconds
 
+
+def cached_per_file(maxsize: int):
+    """Decorate ``f(path)`` to run once per version (mtime and size) of the file at ``path``, keeping the last
+    ``maxsize`` results. Files under 16 MiB are worked out afresh each call: they cost milliseconds, and kept
+    they would push a real model's entry out (the test suite's tiny GGUFs made it parse Gemma's three times)."""
+
+    def decorate(f):
+        cached = functools.lru_cache(maxsize=maxsize)(lambda path, mtime_ns, size: f(path))
+
+        @functools.wraps(f)
+        def per_file(path: str | os.PathLike):
+            path = os.path.abspath(os.fspath(path))
+            stat = os.stat(path)
+            if stat.st_size < _KEPT_FROM_BYTES:
+                return f(path)
+            return cached(path, stat.st_mtime_ns, stat.st_size)
+
+        per_file.cache_clear = cached.cache_clear
+        return per_file
+
+    return decorate
+
+
+@cached_per_file(maxsize=2)
 def gguf_reader(path: str | os.PathLike):
     """The parsed ``gguf.GGUFReader`` of ``path`` (reopened if the file changed)."""
-    path = os.path.abspath(os.fspath(path))
-    stat = os.stat(path)
-    return _reader(path, stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int):
     from gguf.gguf_reader import GGUFReader  # the class itself, never the shared() stand-in
 
     return GGUFReader(path)

@@ -7,11 +7,12 @@ folder holding exactly one ``.gguf`` file. There is no hub download.
 from __future__ import annotations
 
 import copy
-import functools
 import glob
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from runtime.model_loader.gguf_reader import cached_per_file
 
 SUPPORTED_SOURCES = "local Hugging Face folders (with config.json) and .gguf files are supported"
 
@@ -99,13 +100,11 @@ def _folder_config(folder: str, trust_remote_code: bool):
 
 
 def _gguf_config(gguf_file: str):
-    stat = os.stat(gguf_file)
-    config = _cached_gguf_config(gguf_file, stat.st_mtime_ns, stat.st_size)
-    return copy.deepcopy(config)
+    return copy.deepcopy(_cached_gguf_config(gguf_file))
 
 
-@functools.lru_cache(maxsize=4)
-def _cached_gguf_config(gguf_file: str, mtime_ns: int, size: int):
+@cached_per_file(maxsize=4)
+def _cached_gguf_config(gguf_file: str):
     """Parsing a GGUF header is slow (it holds the whole vocabulary); do it once per process."""
     from transformers import AutoConfig
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
-import functools
 import os
 
+from runtime.model_loader.gguf_reader import cached_per_file
 from runtime.model_loader.resolve import ResolvedModel
 
 # vLLM's tokenizer modes that apply to transformers tokenizers ("mistral" and "custom" need
@@ -24,8 +24,7 @@ def get_tokenizer(resolved: ResolvedModel):
     path = resolved.tokenizer_path
     try:
         if path.endswith(".gguf"):
-            stat = os.stat(path)
-            tokenizer = copy.deepcopy(_gguf_tokenizer(path, stat.st_mtime_ns, stat.st_size))
+            tokenizer = copy.deepcopy(_gguf_tokenizer(path))
         else:
             tokenizer = _folder_tokenizer(path, resolved.tokenizer_mode, resolved.trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
@@ -46,8 +45,8 @@ def _folder_tokenizer(path: str, mode: str, trust_remote_code: bool):
     return AutoTokenizer.from_pretrained(path, use_fast=mode != "slow", trust_remote_code=trust_remote_code)
 
 
-@functools.lru_cache(maxsize=2)
-def _gguf_tokenizer(path: str, mtime_ns: int, size: int):
+@cached_per_file(maxsize=2)
+def _gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     from runtime.model_loader.gguf_reader import shared_gguf_readers
