@@ -65,8 +65,10 @@ class Variant:
 
 
 VARIANTS = (Variant(4, 2), Variant(4, 1), Variant(2, 2), Variant(2, 3))
-# The default: 2 columns a lane, 3 blocks an SM, 16 chunks a block had the lowest sum over Llama-3-8B's
-# four layer shapes on an H100 (plugins/quant/bench/wna16_gpu.py --one-row; benchmarks/RESULTS.md).
+# The default: 2 columns a lane, 2 blocks an SM, 16 chunks a block. Alone, over Llama-3-8B's four layer shapes
+# (plugins/quant/bench/wna16_gpu.py --one-row, one H100), 2,3,16 had the lowest sum in one run and 2,2,16 in a
+# later one; in the W3 step, with the prologues and PDL, 2,2,16 took 2.85-2.86 ms a token against 2.98-2.99 for 2,3,16
+# (alternating, one call: benchmarks/RESULTS.md, session 20).
 # RUNTIME_WNA16_CUDA_GEMV_VARIANT="columns,min_blocks,chunks_per_block" picks another (benchmarks).
 
 
@@ -76,7 +78,7 @@ def _variant_setting(text: str) -> Variant:
     fields = text.split(",")
     if len(fields) != 3 or not all(f.strip().isdigit() for f in fields):
         raise ValueError(f"RUNTIME_WNA16_CUDA_GEMV_VARIANT={text!r}: it takes columns,min_blocks,chunks_per_block "
-                         f"(e.g. 2,3,16)")
+                         f"(e.g. 2,2,16)")
     variant = Variant(*map(int, fields))
     if (variant.columns, variant.min_blocks) not in shapes or not 1 <= variant.chunks_per_block <= MAX_CHUNKS_PER_BLOCK:
         raise ValueError(f"RUNTIME_WNA16_CUDA_GEMV_VARIANT={text!r}: columns,min_blocks must be one of {shapes} and "
@@ -84,7 +86,7 @@ def _variant_setting(text: str) -> Variant:
     return variant
 
 
-DEFAULT = _variant_setting(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "2,3,16"))
+DEFAULT = _variant_setting(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "2,2,16"))
 # Several rows keep more sums in registers: 2 blocks an SM (128 registers) hold 4 rows without spills.
 MULTI_ROW = Variant(2, 2, 16)
 
