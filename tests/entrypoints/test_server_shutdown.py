@@ -180,7 +180,6 @@ def test_sigterm_right_after_the_engine_starts(tiny_llama):
     assert seconds <= STOP_BOUND_S + 10, seconds  # interpreter start and imports, then the engine's shutdown
 
 
-
 _SIGTERM_INSIDE = """
 import os, signal, sys
 import runtime.engine.async_llm as async_llm

@@ -19,12 +19,12 @@ import asyncio
 import signal
 import threading
 
+from runtime.engine.core_client import note_stop_request
+
 _POLL_S = 0.1  # uvicorn itself checks should_exit this often
 
 
 def _interrupt(signum, frame) -> None:
-    from runtime.engine.core_client import note_stop_request
-
     note_stop_request()  # in case the exception below lands in library code that swallows it
     raise KeyboardInterrupt(f"signal {signum}")
 
