@@ -13,7 +13,9 @@ Fills the engine with ``--num-requests`` requests of ``--context`` random prompt
 
 Compare ``--enforce-eager`` against the default (CUDA graphs), and ``--async-scheduling``
 (host phases then overlap the device; "launch" is the host time to queue a step). Writes
-``$OUT/profile_decode_<label>.json`` when ``OUT`` is set.
+``$OUT/profile_decode_<label>.json`` when ``OUT`` is set, and with ``--trace N`` a Chrome trace of N
+more steps (host calls with Python stacks, and the device's kernels and copies) to
+``$OUT/trace_<label>.json``.
 """
 
 from __future__ import annotations
@@ -119,6 +121,19 @@ def gpu_kernel_time(engine, steps: int, top: int = 8) -> tuple[float, float, lis
     return total_ms, launches / steps, [(name, us / 1000 / steps) for name, us in ranked]
 
 
+def write_trace(engine, steps: int, path: str) -> None:
+    """A Chrome trace of ``steps`` engine steps: host calls (with Python stacks) and device work."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -130,6 +145,7 @@ def main() -> int:
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--quantization", default=None, help="e.g. fp8 (vLLM's flag)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8")
+    parser.add_argument("--trace", type=int, default=0, help="steps to record into $OUT/trace_<label>.json (host and device, with Python stacks)")
     parser.add_argument("--top", type=int, default=8, help="kernels to list")
     args = parser.parse_args()
     label = f"{os.path.basename(os.path.normpath(args.model))}-{args.num_requests}x{args.context}-{'eager' if args.enforce_eager else 'graphs'}{'-async' if args.async_scheduling else ''}"
@@ -138,6 +154,8 @@ def main() -> int:
     fill(engine, args)
     phases = time_phases(engine, args.steps)
     gpu_ms, launches, kernels = gpu_kernel_time(engine, args.profile_steps, args.top)
+    if args.trace and os.environ.get("OUT"):
+        write_trace(engine, args.trace, os.path.join(os.environ["OUT"], f"trace_{label}.json"))
     running = engine.engine_core.scheduler.stats()["num_running"]
     assert running == args.num_requests, f"only {running} of {args.num_requests} requests ran to the end"
     result = {"label": label, "host_ms": phases, "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": launches,
