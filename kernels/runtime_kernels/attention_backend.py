@@ -1,6 +1,7 @@
 """The ``triton`` attention backend: this package's unified paged attention.
 
-One ``reshape_and_cache`` launch writes the step's new keys and values, then one
+One ``reshape_and_cache`` launch writes the step's new keys and values (rotating the
+queries and keys first when the layer hands its rotation over), then one
 ``unified_attention`` launch serves every request of the step, prefill chunks and
 decodes alike (small decode-only batches split each request's keys over several
 programs). The kernels read only device tensors of the metadata, plus the host-side
@@ -13,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
+from runtime.envs import env_flag
 from runtime_kernels.attention import unified_attention
-from runtime_kernels.kv_cache import reshape_and_cache
+from runtime_kernels.kv_cache import reshape_and_cache, rotary_reshape_and_cache
 
 
 class TritonAttentionBackend:
@@ -23,6 +25,8 @@ class TritonAttentionBackend:
     name = "triton"
     supports_graphs = True  # reads only device tensors and launch-shape sizes fixed per captured batch
     supports_fp8_kv_cache = True  # the kernels convert on store and load
+    # the rotary embedding and the cache write in one launch (RUNTIME_TRITON_FUSED_ROTARY=0: two)
+    fuses_rotary = env_flag("RUNTIME_TRITON_FUSED_ROTARY")
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -38,9 +42,14 @@ class TritonAttentionBackend:
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
         metadata: AttentionMetadata,
+        rotation=None,  # runtime.models.rotary.FusedRotation, or None: query and key come rotated
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if rotation is None:
+            reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        else:
+            rotary_reshape_and_cache(rotation.positions, query, key, value, key_cache, value_cache,
+                                     metadata.slot_mapping, rotation.cos_sin_cache)
         out = torch.empty_like(query)
         return unified_attention(
             query,

@@ -47,6 +47,52 @@ def reshape_and_cache(
     )
 
 
+def rotary_reshape_and_cache(
+    positions: torch.Tensor,  # [num_tokens] int
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], left as it is
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], written
+    value_cache: torch.Tensor,  # same shape, written
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_position, head_size] float32: cos | sin
+) -> None:
+    """``rotary_embedding(positions, query, key, cos_sin_cache)`` then ``reshape_and_cache(key, value, ...)`` in one
+    launch, with the same results in ``query`` and the caches; the rotated keys go to the cache only."""
+    require_triton("rotary_reshape_and_cache")
+    from runtime_kernels.jit.kv_cache import rotary_reshape_and_cache_kernel
+    from runtime_kernels.rotary import rotary_embedding
+
+    num_tokens, num_kv_heads, head_size = key.shape
+    if interpreting() and key_cache.element_size() == 1:  # see reshape_and_cache: torch converts there
+        rotated = key.clone()
+        rotary_embedding(positions, query, rotated, cos_sin_cache)
+        reshape_and_cache(rotated, value, key_cache, value_cache, slot_mapping)
+        return
+    if head_size % 2 or cos_sin_cache.shape[-1] != head_size or query.shape[-1] != head_size:
+        raise ValueError(f"head_size {head_size} must be even and match the query's {query.shape[-1]} and the "
+                         f"cos/sin cache's last dimension {cos_sin_cache.shape[-1]}")
+    if key_cache.shape[2:] != (num_kv_heads, head_size):
+        raise ValueError(f"key shape {tuple(key.shape)} does not fit cache shape {tuple(key_cache.shape)}")
+    for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("cos_sin_cache", cos_sin_cache)):
+        check_last_dim_contiguous(name, t)
+    if num_tokens == 0:
+        return
+    rotary_reshape_and_cache_kernel[(num_tokens,)](
+        positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, query.shape[1], num_kv_heads,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cos_sin_cache.stride(0),
+        HALF=head_size // 2,
+        HALF_PAD=next_power_of_2(head_size // 2),
+        HEAD_PAD=next_power_of_2(head_size),
+        Q_HEADS_PAD=next_power_of_2(query.shape[1]),
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=key_cache.shape[1],
+    )
+
+
 def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
     """The same write by indexing the flattened slots (skipping negative slots)."""
     keep = slot_mapping >= 0

@@ -48,10 +48,10 @@ def kernel_ops() -> dict:
     }
 
 
-def run_schedule(model, vocab_size: int) -> list[torch.Tensor]:
+def run_schedule(model, vocab_size: int, backend=None) -> list[torch.Tensor]:
     """Final hidden states ``[num_tokens, hidden]`` of each step of the fixed schedule."""
     generator = torch.Generator().manual_seed(7)
-    runner = PagedRunner(model, num_requests=len(PROMPT_LENS), block_size=4, seed=3)
+    runner = PagedRunner(model, num_requests=len(PROMPT_LENS), block_size=4, seed=3, backend=backend)
     steps = [[torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]]
     steps += [[torch.randint(0, vocab_size, (q,), generator=generator).tolist() for q in lens] for lens in SCHEDULE]
     return [runner.step_hidden(tokens).float().cpu() for tokens in steps]
@@ -71,6 +71,32 @@ def test_fused_model_matches_plain_model(arch, kernel_device, tmp_path):
     for step, (want, have) in enumerate(zip(expected, got)):
         assert want.abs().max() > 0.5, "hidden states too small for the comparison to mean much"
         torch.testing.assert_close(have, want, atol=ATOL[kernel_device], rtol=0, msg=f"{arch} step {step}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_rotary_fused_into_the_triton_cache_write(arch, kernel_device, tmp_path, monkeypatch):
+    """Through the Triton attention backend, which rotates queries and keys as it stores them, a model computes the
+    same hidden states, bit for bit, as when its layers rotate them first (a backend without ``fuses_rotary``)."""
+    from runtime_kernels import attention_backend
+    from runtime_kernels.attention_backend import TritonAttentionBackend
+
+    class RotationApart(TritonAttentionBackend):
+        fuses_rotary = False
+
+    resolved = resolve_model(build_untokenized_model(arch, tmp_path))
+    with custom_ops_scope(kernel_ops()):
+        model = load_model(resolved, dtype=torch.float32, device=kernel_device)
+    calls: dict[str, int] = {}
+    monkeypatch.setattr(attention_backend, "rotary_reshape_and_cache",
+                        counted({"fused": attention_backend.rotary_reshape_and_cache}, calls)["fused"])
+    vocab_size = resolved.hf_config.vocab_size
+    apart = run_schedule(model, vocab_size, RotationApart())
+    assert calls == {}
+    fused = run_schedule(model, vocab_size, TritonAttentionBackend())
+    assert calls["fused"] == len(model.attention_specs()) * (1 + len(SCHEDULE))  # every layer, every step
+    for step, (want, have) in enumerate(zip(apart, fused)):
+        assert want.abs().max() > 0.5, "hidden states too small for the comparison to mean much"
+        assert torch.equal(have, want), f"{arch} step {step}"
 
 
 def test_norm_kernel_without_fused_add(kernel_device, tmp_path):

@@ -46,9 +46,9 @@ def make_metadata(
 class PagedRunner:
     """Runs ``model`` over a growing batch of requests with a paged KV cache."""
 
-    def __init__(self, model, num_requests: int, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+    def __init__(self, model, num_requests: int, block_size: int = 4, num_blocks: int = 64, seed: int = 0, backend=None):
         self.model = model
-        self.backend = CPUPagedAttentionBackend()
+        self.backend = backend if backend is not None else CPUPagedAttentionBackend()
         self.block_size = block_size
         param = next(model.parameters())
         self.device = param.device

@@ -61,6 +61,12 @@ class AttentionBackend(Protocol):
     given and attended in the query's dtype: a checkpoint's per-tensor k/v scales are
     applied around the backend by :class:`runtime.models.layers.Attention`).
 
+    ``fuses_rotary``: ``forward`` also takes ``rotation``, a
+    :class:`runtime.models.rotary.FusedRotation` (positions and a cos/sin cache), and
+    rotates the queries (in place) and the keys (into the cache) as it stores them, with
+    the results of ``rotation.apply(query, key)`` before a plain ``forward``; the ``key``
+    tensor itself is then left unrotated.
+
     Optional methods for platforms that compile decode steps (``compiles_graphs``): a
     backend with ``traced_decode_inputs(metadata)`` and ``traced_decode(layer, query, key,
     value, kv_cache, inputs)`` has its decode attention traced into the compiled step

@@ -16,6 +16,7 @@ from runtime.attention.backend import AttentionLayerSpec
 from runtime.forward_context import get_forward_context
 from runtime.models.linear import Linear, MergedLinear, RowParallelLinear, one_row_linear
 from runtime.models.ops import lookup
+from runtime.models.rotary import FusedRotation, Rotation
 
 logger = logging.getLogger(__name__)
 
@@ -246,9 +247,15 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0  # a checkpoint's per-tensor KV cache scales (``self_attn.k_scale`` ...)
         self.kv_scales: tuple[float, float] | None = None  # in use: set for an 8-bit cache (apply_kv_scales)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, num_heads, head_size]; k, v: [T, num_kv_heads, head_size]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: Rotation | None = None) -> torch.Tensor:
+        # q: [T, num_heads, head_size]; k, v: [T, num_kv_heads, head_size]; ``rotation``: to apply to q and k first,
+        # which a backend that ``fuses_rotary`` does as it stores the keys
         scales = self.kv_scales
+        if rotation is not None and (scales is not None or torch.compiler.is_compiling()
+                                     or not isinstance(rotation, FusedRotation)
+                                     or not getattr(get_forward_context().backend, "fuses_rotary", False)):
+            q, k = rotation.apply(q, k)
+            rotation = None
         if scales is not None:
             # The cache holds k / k_scale and v / v_scale (vLLM's scaled FP8 cache); every backend
             # stores what it is given, so the scales go around it: q . k = (q * k_scale) . (k / k_scale),
@@ -261,7 +268,10 @@ class Attention(nn.Module):
         else:
             ctx = get_forward_context()
             kv_cache = ctx.kv_caches[self.cache_index]
-            out = ctx.backend.forward(self.spec, q, k, v, kv_cache, ctx.metadata)  # [T, num_heads, head_size]
+            if rotation is None:
+                out = ctx.backend.forward(self.spec, q, k, v, kv_cache, ctx.metadata)  # [T, num_heads, head_size]
+            else:
+                out = ctx.backend.forward(self.spec, q, k, v, kv_cache, ctx.metadata, rotation=rotation)
         return out if scales is None else out * scales[1]
 
     def set_kv_scale(self, which: str, value: float) -> None:

@@ -119,8 +119,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_size)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotation.apply(q, k)
-        out = self.attn(q, k, v)  # [T, num_heads, head_size]
+        out = self.attn(q, k, v, rotation)  # [T, num_heads, head_size]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -127,7 +127,7 @@ class CPUPagedAttentionBackend(SdpaAttentionBackend):
                 out = attend(q, k.transpose(1, 2), v.transpose(1, 2), bucket.valid, layer, is_causal=False)
             else:
                 out[bucket.rows] = attend(q[bucket.rows], k.transpose(1, 2), v.transpose(1, 2), bucket.valid, layer, is_causal=False)
-        return out.view(num_rows, layer.num_heads, layer.head_size)
+        return out.reshape(num_rows, layer.num_heads, layer.head_size)  # SDPA on a GPU may return other strides
 
 
 def _decode_buckets(data: SdpaStepData, window: int | None, device) -> list[DecodeBucket]:
