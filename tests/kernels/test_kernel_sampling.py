@@ -88,3 +88,43 @@ def test_sampler_with_the_op_draws_the_reference_tokens(bounded, device):
         assert torch.equal(_sample(fused, logits, rows, seed=step), _sample(plain, logits, rows, seed=step))
     assert len(calls) == (5 if bounded else 0)  # the op runs only when top-k bounds every top-p row
 
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 4096), (2, 4097), (5, 100), (4, 9000)])
+def test_argmax_matches_torch(device, rows, vocab):
+    """Random rows, and rows built to tie: the first of equal maxima, a NaN anywhere (the first NaN wins, as in
+    torch), a row of -inf (index 0), maxima on chunk edges."""
+    from runtime_kernels.sampling import ARGMAX_CHUNK, argmax
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab)) * 5
+    if vocab > ARGMAX_CHUNK:
+        logits[0, ARGMAX_CHUNK - 1] = logits[0, vocab - 1] = 100.0  # tie across chunks: the earlier index
+    if rows > 1:
+        logits[1, vocab // 3] = logits[1, vocab - 1] = float("nan")
+    if rows > 2:
+        logits[2] = float("-inf")
+    if rows > 3:
+        logits[3, vocab // 2] = float("inf")
+    logits = logits.to(device)
+    got = argmax(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(dim=1))
+    assert torch.equal(argmax(logits.to(torch.bfloat16)), logits.to(torch.bfloat16).argmax(dim=1))
+
+
+def test_greedy_rows_take_the_argmax_op(device):
+    from runtime_kernels.sampling import argmax
+
+    calls = []
+
+    def counting_argmax(logits):
+        calls.append(logits.shape)
+        return argmax(logits)
+
+    with custom_ops_scope({"argmax": counting_argmax}):
+        fused = Sampler()
+    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=40), SamplingParams(temperature=0.0)]
+    for step in range(3):
+        logits = logits_rows(len(rows), seed=20 + step).to(device)
+        assert torch.equal(_sample(fused, logits, rows, seed=step), _sample(Sampler(), logits, rows, seed=step))
+    assert calls == [(3, VOCAB)] * 3

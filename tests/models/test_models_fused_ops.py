@@ -24,10 +24,10 @@ PROMPT_LENS = (3, 10)  # gemma3's window is 8: the longer prompt crosses it
 SCHEDULE = ([1, 2], [1, 1])  # a decode with a prefill chunk, then two decodes
 # Ops each architecture calls (Gemma 3's MLP is gelu-tanh, which has no fused op).
 # gemv and the fused ops that end in one serve one-row steps in 16-bit dtypes only (tested on
-# their own below and in test_models_one_row_fusion.py); top_k_top_p is the sampler's
+# their own below and in test_models_one_row_fusion.py); top_k_top_p and argmax are the sampler's
 # (tests/kernels/test_kernel_sampling.py) and apply_token_bitmask structured output's
 # (tests/kernels/test_kernel_bitmask.py).
-NOT_USED = {"gemv", "silu_and_mul_gemv", "rms_norm_gemv", "top_k_top_p", "apply_token_bitmask"}
+NOT_USED = {"gemv", "silu_and_mul_gemv", "rms_norm_gemv", "top_k_top_p", "argmax", "apply_token_bitmask"}
 USED_OPS = {
     "llama": set(CUSTOM_OPS) - NOT_USED,
     "qwen3": set(CUSTOM_OPS) - NOT_USED,

@@ -45,6 +45,8 @@ The names and signatures a platform may provide (:data:`CUSTOM_OPS`):
   top-p filters (filtered logits at -inf, a new tensor) for batches where every row that
   top-p filters also has a top-k (``top_p`` may be ``None``); no host sync. The sampler
   picks it up when it is built inside the scope and keeps its sort otherwise.
+* ``argmax(logits) -> token_ids``: ``logits.argmax(dim=1)`` of ``[N, V]`` float32 logits, exactly (the
+  first of equal maxima; a NaN counts as the largest), for the sampler's greedy rows.
 * ``apply_token_bitmask(logits, bitmask, rows=None, slots=None) -> logits``: structured output's
   mask, in place, with :func:`runtime.sample.bitmask.apply_token_bitmask`'s contract (a packed
   int32 bitmask on any device; logits row ``rows[i]`` takes bitmask row ``i``, or with ``slots``
@@ -64,7 +66,7 @@ from contextvars import ContextVar
 logger = logging.getLogger(__name__)
 
 CUSTOM_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "gemv", "top_k_top_p",
-              "apply_token_bitmask", "silu_and_mul_gemv", "rms_norm_gemv")
+              "apply_token_bitmask", "silu_and_mul_gemv", "rms_norm_gemv", "argmax")
 
 _current_ops: ContextVar[Mapping[str, Callable]] = ContextVar("runtime_custom_ops", default={})
 

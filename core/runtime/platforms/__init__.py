@@ -105,7 +105,8 @@ class Platform:
           residual, norm_weight, eps, gemma, weight, bias=None, scale=None) -> (out, x + residual)``:
           one-row ``gemv`` with the activation or the norm before it computed on the fly
         * ``top_k_top_p(logits, top_k, top_p, max_top_k) -> logits``, the sampler's filters
-          when top-k bounds every row (the sampler looks it up too)
+          when top-k bounds every row, and ``argmax(logits) -> token_ids``, its greedy rows'
+          tokens (the sampler looks these up too)
 
         They must match the plain modules' numerics (``runtime.models.ops`` says how)
         and be safe to capture in a graph: no host syncs, no data-dependent control flow.

@@ -43,6 +43,7 @@ class Sampler(nn.Module):
         super().__init__()
         # The platform's sort-free top-k + top-p, if built inside a custom_ops_scope offering one.
         self.top_k_top_p = lookup("top_k_top_p")
+        self.argmax = lookup("argmax") or (lambda logits: logits.argmax(dim=1))
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [N, V] in any float dtype, rows in the order of ``metadata``."""
@@ -96,7 +97,7 @@ class Sampler(nn.Module):
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax, random rows draw. logits: [N, V] -> [N] int64."""
-        greedy = None if metadata.all_random else logits.argmax(dim=1)  # [N]
+        greedy = None if metadata.all_random else self.argmax(logits)  # [N]
         if metadata.all_greedy:
             return greedy
         sampled = random_sample(self.random_probs(logits, metadata), metadata.generators)  # [N]

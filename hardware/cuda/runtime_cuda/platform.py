@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from runtime.envs import env_flag
+
 from runtime.platforms.gpu import GpuPlatform
 
 
@@ -44,7 +46,8 @@ class CudaPlatform(GpuPlatform):
         ``silu_and_mul``, ``gemv`` (one-row linear layers of batch-1 decode steps) with
         ``silu_and_mul_gemv`` and ``rms_norm_gemv`` (the same, the activation or norm before
         the layer fused in, so batch-1 steps launch neither), and
-        ``top_k_top_p`` for the sampler (top-p within top-k from one ``topk``, no sort) and
+        ``top_k_top_p`` for the sampler (top-p within top-k from one ``topk``, no sort), ``argmax``
+        for its greedy rows (each row over many programs; RUNTIME_TRITON_ARGMAX=0: torch's) and
         ``apply_token_bitmask`` for structured output (one launch, no temporaries).
         """
         from runtime_kernels.activation import silu_and_mul
@@ -52,7 +55,7 @@ class CudaPlatform(GpuPlatform):
         from runtime_kernels.norm import fused_add_rms_norm, rms_norm
         from runtime_kernels.rotary import rotary_embedding
         from runtime_kernels.bitmask import apply_token_bitmask
-        from runtime_kernels.sampling import top_k_top_p_bounded
+        from runtime_kernels.sampling import argmax, top_k_top_p_bounded
 
         return {
             "rms_norm": rms_norm,
@@ -64,6 +67,7 @@ class CudaPlatform(GpuPlatform):
             "apply_token_bitmask": apply_token_bitmask,
             "silu_and_mul_gemv": silu_and_mul_gemv,
             "rms_norm_gemv": rms_norm_gemv,
+            **({"argmax": argmax} if env_flag("RUNTIME_TRITON_ARGMAX") else {}),
         }
 
     supports_graphs = True

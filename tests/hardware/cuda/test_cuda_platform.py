@@ -68,10 +68,10 @@ def test_custom_ops_name_the_kernels():
     from runtime.models.ops import CUSTOM_OPS
 
     ops = CudaPlatform().custom_ops()
-    assert sorted(ops) == ["apply_token_bitmask", "fused_add_rms_norm", "gemv", "rms_norm", "rms_norm_gemv", "rotary_embedding",
-                           "silu_and_mul", "silu_and_mul_gemv", "top_k_top_p"]
+    assert sorted(ops) == ["apply_token_bitmask", "argmax", "fused_add_rms_norm", "gemv", "rms_norm", "rms_norm_gemv",
+                           "rotary_embedding", "silu_and_mul", "silu_and_mul_gemv", "top_k_top_p"]
     assert set(ops) == set(CUSTOM_OPS)  # every op the models know, none they would ignore
     assert ops["silu_and_mul"].__module__ == "runtime_kernels.activation"
     assert ops["gemv"].__module__ == ops["silu_and_mul_gemv"].__module__ == ops["rms_norm_gemv"].__module__ == "runtime_kernels.gemv"
-    assert ops["top_k_top_p"].__module__ == "runtime_kernels.sampling"
+    assert ops["top_k_top_p"].__module__ == ops["argmax"].__module__ == "runtime_kernels.sampling"
     assert ops["apply_token_bitmask"].__module__ == "runtime_kernels.bitmask"
