@@ -46,6 +46,25 @@ def greedy_logits(argmaxes: list[int], vocab_size: int, gen: torch.Generator) ->
 # ------------------------------------------------------------------ greedy
 
 
+def test_greedy_verification_takes_the_platforms_argmax_op():
+    """Built inside a custom_ops_scope offering ``argmax``, the rejection sampler's greedy rows use it."""
+    from runtime.models.ops import custom_ops_scope
+
+    calls = []
+
+    def counting_argmax(logits):
+        calls.append(tuple(logits.shape))
+        return logits.argmax(dim=1)
+
+    with custom_ops_scope({"argmax": counting_argmax}):
+        sampler = RejectionSampler()
+    target = [5, 2, 7, 1, 3]
+    logits = greedy_logits(target, 10, torch.Generator().manual_seed(2))
+    md = metadata_for([SamplingParams(temperature=0.0)], 10)
+    out = sampler(logits, torch.tensor([5, 2, 0, 1]), [4], md)
+    assert out.token_lists() == [[5, 2, 7]] and calls == [(5, 10)]
+
+
 @pytest.mark.parametrize("mismatch", [0, 1, 2, 3, None])
 def test_greedy_keeps_drafts_until_the_first_mismatch(mismatch):
     gen = torch.Generator().manual_seed(1)

@@ -223,8 +223,8 @@ def _expand_entries(rows: torch.Tensor, layout: SpecDecodeLayout) -> tuple[torch
 class RejectionSampler(nn.Module):
     def __init__(self):
         super().__init__()
-        # p of random rows comes from the Sampler's own filters (and the platform's top-k/top-p op
-        # when built inside a custom_ops_scope offering one).
+        # p of random rows comes from the Sampler's own filters, and greedy rows take its argmax (the
+        # platform's top-k/top-p and argmax ops when built inside a custom_ops_scope offering them).
         self.sampler = Sampler()
 
     def forward(
@@ -258,7 +258,7 @@ class RejectionSampler(nn.Module):
         else:
             assert metadata.temperature is not None
             is_greedy = metadata.temperature < MIN_TEMPERATURE  # [R]
-        argmax = None if metadata.all_random else logits.argmax(dim=1)  # [T]
+        argmax = None if metadata.all_random else self.sampler.argmax(logits)  # [T]
         probs = None if metadata.all_greedy else self.target_probs(logits, rows_md)  # [T, V]
 
         # Accept or reject every draft at once; a request keeps the prefix before its first rejection.
