@@ -90,10 +90,10 @@ def test_sampler_with_the_op_draws_the_reference_tokens(bounded, device):
 
 
 
-@pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 4096), (2, 4097), (5, 100), (4, 9000)])
+@pytest.mark.parametrize("rows, vocab", [(1, 128256), (3, 4096), (2, 4097), (5, 100), (4, 9000), (70, 300)])
 def test_argmax_matches_torch(device, rows, vocab):
     """Random rows, and rows built to tie: the first of equal maxima, a NaN anywhere (the first NaN wins, as in
-    torch), a row of -inf (index 0), maxima on chunk edges."""
+    torch), a row of -inf (index 0), maxima on chunk edges; past ARGMAX_MAX_ROWS rows, torch's own."""
     from runtime_kernels.sampling import ARGMAX_CHUNK, argmax
 
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows + vocab)) * 5
