@@ -22,29 +22,11 @@ def reshape_and_cache(
 ) -> None:
     """Store token ``t``'s keys and values at cache slot ``slot_mapping[t]``."""
     require_triton("reshape_and_cache")
-    from runtime_kernels.jit.kv_cache import reshape_and_cache_kernel
-
-    num_tokens, num_kv_heads, head_size = key.shape
-    if key_cache.shape[2:] != (num_kv_heads, head_size):
-        raise ValueError(f"key shape {tuple(key.shape)} does not fit cache shape {tuple(key_cache.shape)}")
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
-        check_last_dim_contiguous(name, t)
-    if num_tokens == 0:
-        return
     if interpreting() and key_cache.element_size() == 1:
         # Triton's interpreter rounds to 8-bit floats without carrying into the exponent
         # (1.97 -> 1.0 instead of 2.0); convert with torch there. Compiled kernels convert.
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-    reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        HEAD_SIZE=head_size,
-        HEAD_PAD=next_power_of_2(head_size),
-        HEADS_PAD=next_power_of_2(num_kv_heads),
-        BLOCK_SIZE=key_cache.shape[1],
-    )
+    _write(key, value, key_cache, value_cache, slot_mapping)
 
 
 def rotary_reshape_and_cache(
@@ -60,10 +42,9 @@ def rotary_reshape_and_cache(
     """``rotary_embedding(positions, query, key, cos_sin_cache)`` then ``reshape_and_cache(key, value, ...)`` in one
     launch, with the same results in ``query`` and the caches; the rotated keys go to the cache only."""
     require_triton("rotary_reshape_and_cache")
-    from runtime_kernels.jit.kv_cache import rotary_reshape_and_cache_kernel
     from runtime_kernels.rotary import rotary_embedding
 
-    num_tokens, num_kv_heads, head_size = key.shape
+    head_size = key.shape[-1]
     if interpreting() and key_cache.element_size() == 1:  # see reshape_and_cache: torch converts there
         rotated = key.clone()
         rotary_embedding(positions, query, rotated, cos_sin_cache)
@@ -72,20 +53,32 @@ def rotary_reshape_and_cache(
     if head_size % 2 or cos_sin_cache.shape[-1] != head_size or query.shape[-1] != head_size:
         raise ValueError(f"head_size {head_size} must be even and match the query's {query.shape[-1]} and the "
                          f"cos/sin cache's last dimension {cos_sin_cache.shape[-1]}")
+    for name, t in (("query", query), ("cos_sin_cache", cos_sin_cache)):
+        check_last_dim_contiguous(name, t)
+    _write(key, value, key_cache, value_cache, slot_mapping, (positions, query, cos_sin_cache))
+
+
+def _write(key, value, key_cache, value_cache, slot_mapping, rotation=None) -> None:
+    """The one launch of both: ``rotation`` is (positions, query, cos_sin_cache), or None for a plain write."""
+    from runtime_kernels.jit.kv_cache import reshape_and_cache_kernel
+
+    num_tokens, num_kv_heads, head_size = key.shape
     if key_cache.shape[2:] != (num_kv_heads, head_size):
         raise ValueError(f"key shape {tuple(key.shape)} does not fit cache shape {tuple(key_cache.shape)}")
-    for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
-                    ("value_cache", value_cache), ("cos_sin_cache", cos_sin_cache)):
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
         check_last_dim_contiguous(name, t)
     if num_tokens == 0:
         return
-    rotary_reshape_and_cache_kernel[(num_tokens,)](
+    positions, query, cos_sin_cache = rotation if rotation is not None else (slot_mapping, key, key)  # unread stand-ins
+    reshape_and_cache_kernel[(num_tokens,)](
         positions, query, key, value, key_cache, value_cache, slot_mapping, cos_sin_cache, query.shape[1], num_kv_heads,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), cos_sin_cache.stride(0),
+        ROTATE=rotation is not None,
+        HEAD_SIZE=head_size,
         HALF=head_size // 2,
-        HALF_PAD=next_power_of_2(head_size // 2),
+        HALF_PAD=next_power_of_2(max(head_size // 2, 1)),
         HEAD_PAD=next_power_of_2(head_size),
         Q_HEADS_PAD=next_power_of_2(query.shape[1]),
         HEADS_PAD=next_power_of_2(num_kv_heads),
