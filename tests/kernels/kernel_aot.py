@@ -46,11 +46,15 @@ def compile_attention(dtype, head, group, block_m, window, softcap, segments, ca
 
 def compile_elementwise():
     load = importlib.import_module
-    strides = ["k_tok", "k_head", "v_tok", "v_head", "kc_block", "kc_slot", "kc_head", "vc_block", "vc_slot", "vc_head"]
-    sig = {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
-           "slot_mapping_ptr": "*i64", "num_kv_heads": "i32"} | {f"stride_{s}": "i32" for s in strides}
-    compile_for_sm90(load("runtime_kernels.jit.kv_cache").reshape_and_cache_kernel, sig,
-                     dict(HEAD_SIZE=128, HEAD_PAD=128, HEADS_PAD=8, BLOCK_SIZE=16))
+    strides = ["q_tok", "q_head", "k_tok", "k_head", "v_tok", "v_head", "kc_block", "kc_slot", "kc_head", "vc_block",
+               "vc_slot", "vc_head", "cos_sin"]
+    for rotate, cache in ((False, "bf16"), (True, "bf16"), (True, "fp8e4nv")):  # the plain write, the rotating one
+        sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "key_ptr": "*bf16", "value_ptr": "*bf16",
+               "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32",
+               "num_q_heads": "i32", "num_kv_heads": "i32"} | {f"stride_{s}": "i32" for s in strides}
+        compile_for_sm90(load("runtime_kernels.jit.kv_cache").reshape_and_cache_kernel, sig,
+                         dict(ROTATE=rotate, HEAD_SIZE=128, HALF=64, HALF_PAD=64, HEAD_PAD=128, Q_HEADS_PAD=32,
+                              HEADS_PAD=8, BLOCK_SIZE=16))
     sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_out_ptr": "*bf16",
            "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32", "hidden": "i32", "eps": "fp32"}
     compile_for_sm90(load("runtime_kernels.jit.norm").rms_norm_kernel, sig, dict(HAS_RESIDUAL=True, GEMMA=False, BLOCK_N=1024))
@@ -65,6 +69,11 @@ def compile_elementwise():
            "num_words": "i32", "stride_logits": "i32", "stride_bitmask": "i32"}
     compile_for_sm90(load("runtime_kernels.jit.bitmask").apply_token_bitmask_kernel, sig,
                      dict(HAS_ROWS=True, HAS_SLOTS=True, BLOCK=2048))
+    argmax = load("runtime_kernels.jit.argmax")
+    sig = {"logits_ptr": "*fp32", "values_ptr": "*fp32", "indices_ptr": "*i64", "vocab": "i32", "stride_row": "i32"}
+    compile_for_sm90(argmax.argmax_chunks_kernel, sig, dict(CHUNK=4096, NUM_CHUNKS=32))
+    sig = {"values_ptr": "*fp32", "indices_ptr": "*i64", "out_ptr": "*i64"}
+    compile_for_sm90(argmax.argmax_rows_kernel, sig, dict(NUM_CHUNKS=32, CHUNKS_PAD=32))
 
 
 def compile_gemv():
