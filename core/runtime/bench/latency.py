@@ -2,10 +2,11 @@
 
 In the shape of ``vllm bench latency``: a batch of ``--batch-size`` random-token
 prompts of ``--input-len`` tokens generates ``--output-len`` tokens each (EOS
-ignored). The end-to-end latency is averaged over ``--num-iters`` runs after
-``--num-iters-warmup``; the same batch with one output token gives the time to
-first token (TTFT), and the time per output token is
-``(latency - TTFT) / (output_len - 1)``. Transformers' ``generate`` is the peer.
+ignored). The end-to-end latency and the time to first token (TTFT: until every
+request of the batch holds its first token) are taken in the same runs and averaged
+over ``--num-iters`` runs after ``--num-iters-warmup``; the time per output token is
+``(latency - TTFT) / (output_len - 1)``. Transformers' ``generate`` is the peer, its
+first token seen by a streamer.
 
 ``--dataset code-edit`` takes chat prompts that ask for a given function back with a
 small change (:mod:`runtime.bench.code_edit`) instead, greedy, each answer ending at its
@@ -41,31 +42,46 @@ class LatencyResult:
         return 1000 * (self.latency_s - self.ttft_s) / max(tokens - 1, 1)
 
 
-def _mean_time(run: Callable[[int], None], num_tokens: int, iters: int, warmup: int) -> float:
+def _mean_times(run: Callable[[int], float], num_tokens: int, iters: int, warmup: int) -> tuple[float, float]:
+    """Mean (latency, TTFT) in seconds; ``run`` returns the ``perf_counter`` time its batch's
+    first tokens were all out."""
     for _ in range(warmup):
         run(num_tokens)
-    times = []
+    latencies, ttfts = [], []
     for _ in range(iters):
         start = time.perf_counter()
-        run(num_tokens)
-        times.append(time.perf_counter() - start)
-    return statistics.fmean(times)
+        first = run(num_tokens)
+        latencies.append(time.perf_counter() - start)
+        ttfts.append(first - start)
+    return statistics.fmean(latencies), statistics.fmean(ttfts)
 
 
-def runtime_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
+def runtime_runner(args, prompts: list[list[int]]) -> Callable[[int], float]:
     from runtime import LLM, SamplingParams
     from runtime.bench.throughput import engine_kwargs
+    from runtime.sampling_params import RequestOutputKind
 
     llm = LLM(**engine_kwargs(args))
-    inputs = [{"prompt_token_ids": p} for p in prompts]
+    engine = llm.llm_engine
     natural = args.dataset != "random"
 
-    def run(num_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=not natural, detokenize=False)
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        counts = [len(o.outputs[0].token_ids) for o in outputs]
-        assert natural or all(n == num_tokens for n in counts)
-        run.output_tokens = statistics.fmean(counts)
+    def run(num_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=not natural, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        counts = {}
+        for prompt in prompts:
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            counts[request_id] = 0
+        first = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():  # each output holds the tokens new since the last
+                counts[output.request_id] += len(output.outputs[0].token_ids)
+            if first is None and all(counts.values()):
+                first = time.perf_counter()
+        assert natural or all(n == num_tokens for n in counts.values()), counts
+        run.output_tokens = statistics.fmean(counts.values())
+        return first
 
     run.spec_counts = lambda: spec_decode_counts(llm)
     return run
@@ -89,7 +105,24 @@ def mean_acceptance_length(before: tuple[int, int] | None, after: tuple[int, int
     return 1.0 + accepted / drafts if drafts else float("nan")
 
 
-def hf_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
+class _FirstTokenTimer:
+    """A transformers streamer that notes when the first generated tokens arrive (its first
+    ``put`` is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, _tokens) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        if self.first is None:  # no token came before the end
+            self.first = time.perf_counter()
+
+
+def hf_runner(args, prompts: list[list[int]]) -> Callable[[int], float]:
     import torch
 
     from runtime.bench.throughput import _hf_model
@@ -108,11 +141,13 @@ def hf_runner(args, prompts: list[list[int]]) -> Callable[[int], None]:
         raise ValueError(f"transformers speculates for one request at a time: --batch-size must be 1, got {len(prompts)}")
 
     @torch.inference_mode()
-    def run(num_tokens: int) -> None:
+    def run(num_tokens: int) -> float:
         stop = {} if natural else {"min_new_tokens": num_tokens}
+        timer = _FirstTokenTimer()
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
-                             do_sample=False, pad_token_id=0, **stop, **speculation)
+                             do_sample=False, pad_token_id=0, streamer=timer, **stop, **speculation)
         run.output_tokens = out.shape[1] - ids.shape[1]
+        return timer.first
 
     return run
 
@@ -121,10 +156,9 @@ def measure(args, backend: str, prompts: list[list[int]]) -> LatencyResult:
     run = (runtime_runner if backend == "runtime" else hf_runner)(args, prompts)
     spec_counts = getattr(run, "spec_counts", lambda: None)
     before = spec_counts()
-    latency = _mean_time(run, args.output_len, args.num_iters, args.num_iters_warmup)
+    latency, ttft = _mean_times(run, args.output_len, args.num_iters, args.num_iters_warmup)
     acceptance = mean_acceptance_length(before, spec_counts())
     output_tokens = run.output_tokens if args.dataset != "random" else None  # greedy: every run the same
-    ttft = _mean_time(run, 1, args.num_iters, args.num_iters_warmup)
     return LatencyResult(backend, latency, ttft, acceptance, output_tokens)
 
 
