@@ -54,6 +54,14 @@ def test_detection_counts_through_the_hook_without_starting_the_runtime(sim):
     assert platform.headroom_env == HEADROOM_ENV
 
 
+def test_auto_dtype_runs_weights_without_a_dtype_in_bfloat16_without_starting_the_runtime(sim):
+    """--dtype auto: a GGUF file's blocks name no dtype and run in bfloat16; a checkpoint's own dtype stays."""
+    platform = SimGpu()
+    assert platform.default_dtype(None) == torch.bfloat16
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert platform.default_dtype(dtype) == dtype
+
+
 def test_other_torch_builds_see_no_device(sim):
     sim.setattr(torch.version, "simgpu", None)
     assert SimGpu().device_count() == 0 and not SimGpu().is_available()

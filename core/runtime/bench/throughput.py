@@ -85,7 +85,14 @@ def _hf_model(args):
     from runtime.bench.hf_peer import load_hf_model
 
     name = args.hf_dtype or args.dtype
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+    if name == "auto":  # the engine's choice, so that both run the same precision (GGUF files name none)
+        from runtime.engine_args import resolve_dtype
+        from runtime.model_loader import resolve_model
+        from runtime.platforms import select_platform
+
+        dtype = resolve_dtype(name, resolve_model(args.model).hf_config, select_platform(args.platform))
+    else:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
     return load_hf_model(args.model, dtype, args.load_format == "dummy", args.seed)
 
 

@@ -47,8 +47,10 @@ class Platform:
         """One layer's KV cache tensor."""
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
-        return config_dtype
+    def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype ``--dtype auto`` runs: the checkpoint's ``config_dtype``, float32 where it
+        names none (a GGUF file's quantized blocks)."""
+        return config_dtype or torch.float32
 
     def set_threads(self, num_threads: int | None) -> None:
         """Apply thread settings before the model runs (``--cpu-num-threads``; CPU platforms)."""

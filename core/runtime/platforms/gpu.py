@@ -58,6 +58,12 @@ class GpuPlatform(Platform):
     count_hook: str | None = None  # torch.<device_type> function counting devices without the runtime, -1 if unable
     visible_devices_envs: tuple[str, ...] = ()  # variables that change what the child-process probe sees
 
+    def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        # Weights that name no dtype (a GGUF file's blocks) run in bfloat16, as vLLM's auto takes
+        # a 16-bit type for them: float32 would double their memory and time. (Asking the device
+        # whether it computes bfloat16 would start the GPU runtime in this process, before workers fork.)
+        return torch.bfloat16 if config_dtype is None else config_dtype
+
     @property
     def torch_module(self):
         """``torch.cuda`` or ``torch.xpu``: where the device queries live."""

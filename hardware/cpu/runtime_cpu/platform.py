@@ -11,6 +11,20 @@ from runtime.platforms import Platform
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB, like vLLM's CPU default KV space
 LAZY_ZERO_MIN_BYTES = 64 << 20  # above glibc's largest mmap threshold (32 MiB)
 KV_CACHE_ENV = "RUNTIME_CPU_KVCACHE_SPACE"  # GiB, an alternative to kv_cache_memory_bytes
+CPUINFO = "/proc/cpuinfo"
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; Arm's Features
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (x86 AVX-512 BF16 or AMX, Arm BF16)."""
+    try:
+        with open(CPUINFO) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return bool(BF16_FLAGS & set(line.split(":", 1)[-1].split()))
+    except OSError:
+        pass
+    return False
 
 
 class CpuPlatform(Platform):
@@ -48,9 +62,16 @@ class CpuPlatform(Platform):
             return torch.zeros(shape, dtype=dtype, device=device)
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def default_dtype(self, config_dtype: torch.dtype) -> torch.dtype:
-        # float16 matmuls are slow on CPUs; bfloat16 keeps the range of the checkpoint.
-        return torch.bfloat16 if config_dtype == torch.float16 else config_dtype
+    def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        # float16 matmuls are slow on CPUs; bfloat16 keeps the range of the checkpoint. Weights
+        # that name no dtype (a GGUF file's blocks) run in bfloat16 where the CPU computes it
+        # natively, as vLLM's auto takes a lower precision for them; a float32 checkpoint stays
+        # float32 (the precision the correctness suites compare in).
+        if config_dtype == torch.float16:
+            return torch.bfloat16
+        if config_dtype is None:
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return config_dtype
 
     def set_threads(self, num_threads: int | None) -> None:
         if num_threads:

@@ -59,3 +59,36 @@ def test_engine_config_follows_it_and_the_env_opts_out(monkeypatch):
     assert build_model_config(dummy, cpu).quantization is None
     monkeypatch.setenv(GGUF_DEQUANTIZE_ENV, "1")
     assert build_model_config(EngineArgs(model=path, dtype="bfloat16", max_model_len=256), cpu).quantization is None
+
+
+def test_auto_dtype_takes_bfloat16_for_gguf_files_where_the_cpu_computes_it(monkeypatch):
+    """``--dtype auto`` (the README's ``runtime serve``): the default model names no dtype, so it runs in
+    bfloat16 on a CPU with bfloat16 instructions, packed where the panel kernel reads it, and in
+    float32 elsewhere; a checkpoint's own dtype is kept (float16 becomes bfloat16 on CPUs)."""
+    from runtime_cpu import platform as cpu_platform
+
+    path, cpu = smollm2_gguf_path(), CpuPlatform()
+    auto = EngineArgs(model=path, max_model_len=256)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: True)
+    config = build_model_config(auto, cpu)
+    assert config.dtype == torch.bfloat16
+    assert config.quantization == ("gguf" if cpu_has_avx512_bf16() else None)
+    monkeypatch.setattr(cpu_platform, "cpu_has_native_bf16", lambda: False)
+    config = build_model_config(auto, cpu)
+    assert (config.dtype, config.quantization) == (torch.float32, None)
+    assert [cpu.default_dtype(d) for d in (torch.float32, torch.float16, torch.bfloat16)] == [
+        torch.float32, torch.bfloat16, torch.bfloat16]
+
+
+def test_bfloat16_instructions_are_read_from_cpuinfo(monkeypatch, tmp_path):
+    from runtime_cpu import platform as cpu_platform
+
+    for flags, expected in (("flags\t\t: fpu sse2 avx2 avx512f", False), ("flags\t\t: fpu avx512f avx512_bf16", True),
+                            ("flags\t\t: fpu amx_bf16 amx_tile", True), ("Features\t: fp asimd bf16 i8mm", True),
+                            ("Features\t: fp asimd", False)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor\t: 0\n{flags}\n")
+        monkeypatch.setattr(cpu_platform, "CPUINFO", str(info))
+        assert cpu_platform.cpu_has_native_bf16() is expected, flags
+    monkeypatch.setattr(cpu_platform, "CPUINFO", str(tmp_path / "missing"))
+    assert cpu_platform.cpu_has_native_bf16() is False
