@@ -246,17 +246,24 @@ def served_model_names(args: EngineArgs) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names)) or (os.path.basename(os.path.normpath(args.model)),)
 
 
-def resolve_dtype(value: str, hf_config, platform) -> torch.dtype:
-    """``--dtype`` as a torch dtype; ``auto`` is the platform's choice for the checkpoint's own
-    dtype, or for none where the checkpoint names none (a GGUF file's blocks)."""
+def resolve_dtype(value: str, resolved, platform) -> torch.dtype:
+    """``--dtype`` as a torch dtype. ``auto`` is the platform's choice for the checkpoint's dtype:
+    its config's, else its safetensors weights' (as vLLM reads them), else none (a GGUF file's
+    blocks, a folder without weights)."""
+    hf_config = resolved.hf_config
     # transformers 5 names it ``dtype`` (reading ``torch_dtype`` there warns); 4.x ``torch_dtype``.
     config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     if not isinstance(config_dtype, torch.dtype):
         config_dtype = None
-    dtype = parse_dtype(value, config_dtype)
-    return platform.default_dtype(config_dtype) if value == "auto" else dtype
+    if value != "auto":
+        return parse_dtype(value, config_dtype)
+    if config_dtype is None and not resolved.gguf_file:
+        from runtime.model_loader.safetensors_weights import safetensors_float_dtype
+
+        config_dtype = safetensors_float_dtype(resolved.path)
+    return platform.default_dtype(config_dtype)
 
 
 def build_model_config(args: EngineArgs, platform) -> ModelConfig:
@@ -272,7 +279,7 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
         tokenizer_mode=args.tokenizer_mode,
         chat_template=load_chat_template(args.chat_template) if args.chat_template is not None else None,
     )
-    dtype = resolve_dtype(args.dtype, resolved.hf_config, platform)
+    dtype = resolve_dtype(args.dtype, resolved, platform)
     if dtype not in platform.supported_dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in platform.supported_dtypes)
         raise ValueError(f"dtype {dtype} is not supported on platform {platform.name!r}; supported: {names}")

@@ -65,6 +65,27 @@ def test_throughput_peer_on_a_prefix_of_the_workload(model):
     assert requests == {"runtime": 6, "hf": 2}, out
 
 
+@pytest.mark.parametrize("dtype, hf_dtype, expected", [("half", None, "float16"), ("float", None, "float32"),
+                                                      ("auto", None, None), ("auto", "bfloat16", "bfloat16")])
+def test_the_transformers_peer_runs_the_engines_dtype(model, dtype, hf_dtype, expected):
+    """vLLM's dtype names and aliases; under auto (None) the dtype the engine resolves for the model."""
+    import argparse
+
+    import torch
+
+    from runtime.bench.throughput import _hf_model
+    from runtime.engine_args import EngineArgs, build_model_config
+    from runtime.platforms import select_platform
+
+    if expected is None:
+        engine_args = EngineArgs(model=model, dtype=dtype, load_format="dummy", max_model_len=64)
+        want = build_model_config(engine_args, select_platform("cpu")).dtype
+    else:
+        want = getattr(torch, expected)
+    args = argparse.Namespace(model=model, dtype=dtype, hf_dtype=hf_dtype, load_format="dummy", seed=0, platform="cpu")
+    assert _hf_model(args).dtype == want
+
+
 def test_bad_peer_prefix_is_rejected(model):
     result = subprocess.run(
         [sys.executable, "-m", "runtime.cli.main", "bench", "throughput", "--model", model, *COMMON,

@@ -80,8 +80,6 @@ def engine_kwargs(args) -> dict:
 
 
 def _hf_model(args):
-    import torch
-
     from runtime.bench.hf_peer import load_hf_model
 
     name = args.hf_dtype or args.dtype
@@ -90,9 +88,11 @@ def _hf_model(args):
         from runtime.model_loader import resolve_model
         from runtime.platforms import select_platform
 
-        dtype = resolve_dtype(name, resolve_model(args.model).hf_config, select_platform(args.platform))
-    else:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+        dtype = resolve_dtype(name, resolve_model(args.model), select_platform(args.platform))
+    else:  # vLLM's names and aliases ("half", "float"), checked
+        from runtime.config import parse_dtype
+
+        dtype = parse_dtype(name, None)
     return load_hf_model(args.model, dtype, args.load_format == "dummy", args.seed)
 
 

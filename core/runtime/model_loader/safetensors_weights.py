@@ -42,6 +42,27 @@ def safetensors_files(folder: str) -> list[str]:
     )
 
 
+SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def safetensors_float_dtype(folder: str) -> torch.dtype | None:
+    """The floating dtype most of the first weight file's tensors have, from its header alone;
+    None without safetensors files or floating tensors."""
+    from safetensors import safe_open
+
+    try:
+        first = safetensors_files(folder)[0]
+    except ValueError:
+        return None
+    counts: dict[torch.dtype, int] = {}
+    with safe_open(first, framework="pt") as f:
+        for name in f.keys():
+            dtype = SAFETENSORS_FLOAT_DTYPES.get(f.get_slice(name).get_dtype())
+            if dtype is not None:
+                counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
 def safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the folder, with a progress bar."""
     from safetensors import safe_open
