@@ -250,6 +250,8 @@ def resolve_dtype(value: str, resolved, platform) -> torch.dtype:
     """``--dtype`` as a torch dtype. ``auto`` is the platform's choice for the checkpoint's dtype:
     its config's, else its safetensors weights' (as vLLM reads them), else none (a GGUF file's
     blocks, a folder without weights)."""
+    if value != "auto":
+        return parse_dtype(value, None)
     hf_config = resolved.hf_config
     # transformers 5 names it ``dtype`` (reading ``torch_dtype`` there warns); 4.x ``torch_dtype``.
     config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
@@ -257,8 +259,6 @@ def resolve_dtype(value: str, resolved, platform) -> torch.dtype:
         config_dtype = getattr(torch, config_dtype, None)
     if not isinstance(config_dtype, torch.dtype):
         config_dtype = None
-    if value != "auto":
-        return parse_dtype(value, config_dtype)
     if config_dtype is None and not resolved.gguf_file:
         from runtime.model_loader.safetensors_weights import safetensors_float_dtype
 

@@ -31,7 +31,7 @@ BACKENDS = ("runtime", "hf")
 class LatencyResult:
     backend: str
     latency_s: float  # whole batch, output_len tokens
-    ttft_s: float  # whole batch, one token
+    ttft_s: float  # until every request of the batch holds its first token, in the same runs
     # Speculative decoding: tokens emitted per request and verification step (1 + accepted
     # drafts / drafts, vLLM's mean acceptance length) over the timed runs; None when off.
     acceptance_length: float | None = None

@@ -8,6 +8,21 @@ from typing import Any
 
 import torch
 
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux lists them (x86 ``flags``, Arm ``Features``); empty where
+    it cannot be read."""
+    try:
+        with open(CPUINFO) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[-1].split())
+    except OSError:
+        pass
+    return frozenset()
+
 
 class Platform:
     """A kind of device the engine can run on.

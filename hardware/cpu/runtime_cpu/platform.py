@@ -6,25 +6,17 @@ import os
 
 import torch
 
-from runtime.platforms import Platform
+from runtime.platforms import Platform, cpu_flags
 
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB, like vLLM's CPU default KV space
 LAZY_ZERO_MIN_BYTES = 64 << 20  # above glibc's largest mmap threshold (32 MiB)
 KV_CACHE_ENV = "RUNTIME_CPU_KVCACHE_SPACE"  # GiB, an alternative to kv_cache_memory_bytes
-CPUINFO = "/proc/cpuinfo"
 BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; Arm's Features
 
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bfloat16 dot-product instructions (x86 AVX-512 BF16 or AMX, Arm BF16)."""
-    try:
-        with open(CPUINFO) as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return bool(BF16_FLAGS & set(line.split(":", 1)[-1].split()))
-    except OSError:
-        pass
-    return False
+    return bool(BF16_FLAGS & cpu_flags())
 
 
 class CpuPlatform(Platform):

@@ -27,6 +27,8 @@ import logging
 
 import torch
 
+from runtime.platforms import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 PANEL = 32  # output columns per panel
@@ -215,11 +217,7 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16
 
 
 def cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx512_bf16" in line for line in f)
-    except OSError:
-        return False
+    return "avx512_bf16" in cpu_flags()
 
 
 @functools.cache

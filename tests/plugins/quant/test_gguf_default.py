@@ -81,6 +81,7 @@ def test_auto_dtype_takes_bfloat16_for_gguf_files_where_the_cpu_computes_it(monk
 
 
 def test_bfloat16_instructions_are_read_from_cpuinfo(monkeypatch, tmp_path):
+    from runtime import platforms
     from runtime_cpu import platform as cpu_platform
 
     for flags, expected in (("flags\t\t: fpu sse2 avx2 avx512f", False), ("flags\t\t: fpu avx512f avx512_bf16", True),
@@ -88,7 +89,7 @@ def test_bfloat16_instructions_are_read_from_cpuinfo(monkeypatch, tmp_path):
                             ("Features\t: fp asimd", False)):
         info = tmp_path / "cpuinfo"
         info.write_text(f"processor\t: 0\n{flags}\n")
-        monkeypatch.setattr(cpu_platform, "CPUINFO", str(info))
+        monkeypatch.setattr(platforms, "CPUINFO", str(info))
         assert cpu_platform.cpu_has_native_bf16() is expected, flags
-    monkeypatch.setattr(cpu_platform, "CPUINFO", str(tmp_path / "missing"))
+    monkeypatch.setattr(platforms, "CPUINFO", str(tmp_path / "missing"))
     assert cpu_platform.cpu_has_native_bf16() is False
