@@ -2,7 +2,8 @@
 CuPy's NVRTC compiles them on first use for the GPU at hand (CuPy keeps the binaries on disk), and
 :func:`launch` starts one on a torch stream, with programmatic dependent launch where asked
 (``cuLaunchKernelEx`` through ctypes: on sm_90+ the kernel may start while the one before it ends;
-it calls ``griddepcontrol.wait`` before it reads that kernel's results).
+it calls ``griddepcontrol.wait`` before it reads that kernel's results) and in thread block clusters
+where asked (the blocks of a cluster read one another's shared memory).
 
 Without CuPy, or where a kernel cannot compile, :func:`compile_kernels` returns None and the
 callers keep their Triton kernels.
@@ -22,6 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
@@ -82,8 +84,8 @@ def _driver_function(name: str, argtypes: tuple) -> Any:
     return fn
 
 
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union of values
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -98,35 +100,42 @@ def _launch_kernel_ex():
 
 
 _pdl_refused = False  # set once the driver refuses a programmatic dependent launch: plain launches from then on
+_clusters_refused = False  # likewise for a launch in thread block clusters: the callers' kernels without clusters
 
 
 @functools.cache
-def _pdl_capable(device_index: int) -> bool:
+def _sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9 and _launch_kernel_ex() is not None
 
 
 def pdl_available(device_index: int) -> bool:
     """Whether programmatic dependent launch can be used on GPU ``device_index`` (sm_90+, a driver with
     ``cuLaunchKernelEx``, none refused so far)."""
-    return not _pdl_refused and _pdl_capable(device_index)
+    return not _pdl_refused and _sm90(device_index)
 
 
-def _launch_pdl(kernel: Any, grid: tuple[int, ...], threads: int, args: tuple, shared_mem: int, stream: int) -> bool:
-    """Launch ``kernel`` (a CuPy function) with programmatic stream serialization; False where the
-    driver refuses (logged once; plain launches from then on)."""
-    global _pdl_refused
+def clusters_available(device_index: int) -> bool:
+    """Whether kernels can be launched in thread block clusters on GPU ``device_index`` (sm_90+, a driver
+    with ``cuLaunchKernelEx``, none refused so far)."""
+    return not _clusters_refused and _sm90(device_index)
+
+
+def _launch_ex(kernel: Any, grid: tuple[int, ...], threads: int, args: tuple, shared_mem: int, stream: int,
+               pdl: bool, cluster: tuple[int, int, int] | None) -> int:
+    """Launch ``kernel`` (a CuPy function) through ``cuLaunchKernelEx`` with programmatic stream
+    serialization (``pdl``) and/or the cluster dimension ``cluster``: the driver's CUresult."""
     values = [ctypes.c_float(a) if isinstance(a, np.float32) else ctypes.c_int32(a) if isinstance(a, np.int32)
               else ctypes.c_int64(a) if isinstance(a, np.int64) else ctypes.c_uint64(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
-    attribute = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    settings = ([(PROGRAMMATIC_STREAM_SERIALIZATION, (1,))] if pdl else []) + ([(CLUSTER_DIMENSION, cluster)] if cluster else [])
+    attributes = (_LaunchAttribute * len(settings))()
+    for attribute, (key, value) in zip(attributes, settings):
+        attribute.id = key
+        attribute.value[:len(value)] = value
     grid3 = (tuple(grid) + (1, 1))[:3]
     config = _LaunchConfig((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(threads, 1, 1), shared_mem, stream,
-                           ctypes.pointer(attribute), 1)
-    result = _launch_kernel_ex()(ctypes.byref(config), kernel.ptr, params, None) if hasattr(kernel, "ptr") else -1
-    if result != 0:
-        logger.warning("cuLaunchKernelEx with programmatic dependent launch failed (CUresult %d); plain launches", result)
-        _pdl_refused = True
-    return result == 0
+                           attributes, len(settings))
+    return _launch_kernel_ex()(ctypes.byref(config), kernel.ptr, params, None) if hasattr(kernel, "ptr") else -1
 
 
 class _Stream:
@@ -139,18 +148,39 @@ class _Stream:
 
 
 def launch(kernel: Any, grid: tuple[int, ...], threads: int, args: tuple, shared_mem: int, device: torch.device,
-           pdl: bool = False) -> None:
+           pdl: bool = False, cluster: tuple[int, int, int] | None = None) -> bool:
     """Launch ``kernel`` on ``device``'s current torch stream; ``args``: device pointers as ints, scalars as
     ``np.int32`` / ``np.int64`` / ``np.float32``. ``pdl``: with programmatic dependent launch where the
-    GPU and driver allow it."""
+    GPU and driver allow it. ``cluster``: in thread block clusters of these dimensions, which the kernel
+    needs (check :func:`clusters_available` first): where the driver refuses them (logged once), nothing is
+    launched and the result is False; else True."""
     stream = torch.cuda.current_stream(device).cuda_stream
 
-    def go():
-        if not (pdl and pdl_available(device.index) and _launch_pdl(kernel, grid, threads, args, shared_mem, stream)):
-            kernel(grid, (threads,), args, shared_mem=shared_mem, stream=_Stream(stream))
+    def go() -> bool:
+        global _pdl_refused, _clusters_refused
+        pdl_now = pdl and pdl_available(device.index)
+        if cluster is not None:
+            if not clusters_available(device.index):
+                return False
+            result = _launch_ex(kernel, grid, threads, args, shared_mem, stream, pdl_now, cluster)
+            if result != 0 and pdl_now:  # the PDL attribute may be what the driver refuses
+                result = _launch_ex(kernel, grid, threads, args, shared_mem, stream, False, cluster)
+                _pdl_refused = _pdl_refused or result == 0
+            if result != 0:
+                logger.warning("cuLaunchKernelEx in clusters of %s failed (CUresult %d); kernels without clusters",
+                               cluster, result)
+                _clusters_refused = True
+            return result == 0
+        if pdl_now:
+            result = _launch_ex(kernel, grid, threads, args, shared_mem, stream, True, None)
+            if result == 0:
+                return True
+            logger.warning("cuLaunchKernelEx with programmatic dependent launch failed (CUresult %d); plain launches", result)
+            _pdl_refused = True
+        kernel(grid, (threads,), args, shared_mem=shared_mem, stream=_Stream(stream))
+        return True
 
     if torch.cuda.current_device() == device.index:
-        go()
-    else:  # a thread whose current device is another: launch in this GPU's context
-        with torch.cuda.device(device):
-            go()
+        return go()
+    with torch.cuda.device(device):  # a thread whose current device is another: launch in this GPU's context
+        return go()

@@ -59,6 +59,32 @@ __device__ __forceinline__ void allow_next_kernel() {
 #endif
 }
 
+// Thread block clusters (sm_90+; launched with a cluster dimension): the blocks of a cluster meet at a barrier
+// (release / acquire: each sees the shared memory the others wrote before it) and read one another's shared memory.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.aligned;\n barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ unsigned int cluster_rank() {
+  unsigned int rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+#endif
+  return rank;
+}
+// The float at `p` (this block's shared memory) in the shared memory of the cluster's block `rank`.
+__device__ __forceinline__ float load_cluster_shared(const float* p, unsigned int rank) {
+  float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned int local = static_cast<unsigned int>(__cvta_generic_to_shared(p));
+  unsigned int remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+
 __device__ __forceinline__ float warp_max(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;

@@ -12,7 +12,8 @@ layer times 32 layers (the per-token linear time of the 8B model at batch 1).
 Times are taken inside a CUDA graph (as decode runs), so launch overhead does not count.
 ``--sweep`` also times every GEMV tiling of a grid for the decode batches (<= 4 rows) and
 prints the fastest per shape next to the one :func:`runtime_quant.wna16_gpu.gemv_config` picks.
-``--one-row`` compares, at one row and 4 bits, the Triton GEMV and the CUDA one (``runtime_quant.w4a16_cuda``), on copies of each layer rotated past the L2 cache.
+``--one-row`` compares, at one row and 4 bits, the Triton GEMV and the CUDA one (``runtime_quant.w4a16_cuda``), on copies of each layer rotated past the L2 cache;
+``--one-row --clusters``: the CUDA one's default variant with and without thread block clusters.
 """
 
 from __future__ import annotations
@@ -87,15 +88,29 @@ def sweep(layers: dict, bits: int, batches: list[int]) -> None:
                   "; ".join(f"{c} {timings[c]:7.1f} us ({nbytes / timings[c] / 1e3:6.0f} GB/s)" for c in best), flush=True)
 
 
-def compare_one_row(scheme: WNA16Scheme, l2_bytes: int = 120 << 20, rows: int = 1) -> None:
+def compare_one_row(scheme: WNA16Scheme, l2_bytes: int = 120 << 20, rows: int = 1, clusters: bool = False,
+                    chunks: tuple[int, ...] = (8, 16)) -> None:
     """``rows`` rows (1 by default), 4 bits: the Triton GEMV against the CUDA one
-    (:mod:`runtime_quant.w4a16_cuda`, a few chunk counts per block), per shape and for all linears
-    x 32 layers, each call on the next of enough layer copies that none is still in L2."""
+    (:mod:`runtime_quant.w4a16_cuda`, ``chunks`` chunks per block; with ``clusters``, its default variant
+    with and without thread block clusters instead), per shape and for all linears x 32 layers, each call
+    on the next of enough layer copies that none is still in L2."""
     from runtime_quant import w4a16_cuda
     from runtime_quant.wna16_gpu import _locks
 
     shapes = w4a16_cuda.VARIANTS if rows == 1 else (w4a16_cuda.MULTI_ROW, dataclasses.replace(w4a16_cuda.MULTI_ROW, min_blocks=1))
-    variants = [dataclasses.replace(v, chunks_per_block=c) for v in shapes for c in (8, 16)]
+    variants = [dataclasses.replace(v, chunks_per_block=c) for v in shapes for c in chunks]
+    if clusters:
+        variants = [w4a16_cuda.variant_for(rows)]
+
+    def clustered(on: bool, run):
+        def go(c):
+            saved, w4a16_cuda.CLUSTERS = w4a16_cuda.CLUSTERS, on
+            try:
+                return run(c)
+            finally:
+                w4a16_cuda.CLUSTERS = saved
+        return go
+
     totals = {}
     for name, (k, n) in SHAPES.items():
         first = packed_layer(k, n, scheme)
@@ -109,6 +124,9 @@ def compare_one_row(scheme: WNA16Scheme, l2_bytes: int = 120 << 20, rows: int = 
             **{f"cuda {v.columns}c/{v.min_blocks}b/{v.chunks_per_block}k": (lambda c, v=v: w4a16_cuda.gemv(c, x, None, locks, v))
                for v in variants},
         }
+        if clusters:
+            plain = runs.pop(next(label for label in runs if label.startswith("cuda")))
+            runs.update({"cuda global sum": clustered(False, plain), "cuda clusters": clustered(True, plain)})
         ref = dequantize_codes(first, unpack(first.qweight, 4, dim=0), 0)
         ref = (x.float() @ ref.cuda()).float()
         line = []
@@ -130,10 +148,14 @@ def main() -> None:
     parser.add_argument("--sweep-batches", default="1")
     parser.add_argument("--one-row", action="store_true", help="compare the one-row 4-bit GEMVs (Triton, CUDA), then exit")
     parser.add_argument("--rows", type=int, default=1, help="rows of x for --one-row (1-4)")
+    parser.add_argument("--chunks", default="8,16", help="chunks a block for --one-row's CUDA variants")
+    parser.add_argument("--clusters", action="store_true",
+                        help="with --one-row: the default CUDA variant with and without thread block clusters")
     args = parser.parse_args()
     scheme = WNA16Scheme("gptq", args.bits, args.group, symmetric=False)
     if args.one_row:
-        compare_one_row(WNA16Scheme("gptq", 4, args.group, symmetric=False), rows=args.rows)
+        compare_one_row(WNA16Scheme("gptq", 4, args.group, symmetric=False), rows=args.rows, clusters=args.clusters,
+                        chunks=tuple(int(c) for c in args.chunks.split(",")))
         return
     layers = {name: packed_layer(i, o, scheme) for name, (i, o) in SHAPES.items()}
     dense = {name: dequantize_codes(layer, unpack(layer.qweight, args.bits, dim=0), 0).t().to(torch.bfloat16).contiguous()

@@ -9,6 +9,10 @@ dependent launch on sm_90+ (``cuLaunchKernelEx`` through ctypes): with the ops f
 follow one another, and each requests its first weights before the previous one ends (W3 4-bit on
 an H100: 2.96 ms a token against 3.10 without either; benchmarks/RESULTS.md).
 
+On sm_90+ a layer's blocks along K run as one thread block cluster, whose first block adds the others'
+partial sums from their shared memory (W3 4-bit on an H200: 2.40 ms a token against 2.45 with the sums
+through global memory).
+
 Compiled on its first call (an eager one: decode graphs are warmed before capture) by CuPy's NVRTC;
 without CuPy, or where it cannot compile, :func:`supports` is False and the Triton GEMV runs.
 ``RUNTIME_WNA16_CUDA_GEMV=0`` turns it off.
@@ -48,6 +52,11 @@ ONE_WAVE = env_flag("RUNTIME_WNA16_CUDA_GEMV_ONE_WAVE")  # see column_blocks
 # Programmatic dependent launch on sm_90+ (the kernel's first weight loads overlap the previous kernel's end);
 # RUNTIME_WNA16_CUDA_GEMV_PDL=0: plain launches.
 PDL = env_flag("RUNTIME_WNA16_CUDA_GEMV_PDL")
+# The blocks along K as a thread block cluster on sm_90+ (at most 8 of them: the portable cluster size): the first
+# adds the others' partial sums from their shared memory instead of the last to finish reading them back from global
+# memory after a fence and an atomic. RUNTIME_WNA16_CUDA_GEMV_CLUSTERS=0: the global-memory sum everywhere.
+CLUSTERS = env_flag("RUNTIME_WNA16_CUDA_GEMV_CLUSTERS")
+MAX_CLUSTER = 8
 
 
 @dataclass(frozen=True)
@@ -72,34 +81,40 @@ VARIANTS = (Variant(4, 2), Variant(4, 1), Variant(2, 2), Variant(2, 3))
 # RUNTIME_WNA16_CUDA_GEMV_VARIANT="columns,min_blocks,chunks_per_block" picks another (benchmarks).
 
 
-def _variant_setting(text: str) -> Variant:
-    """RUNTIME_WNA16_CUDA_GEMV_VARIANT's "columns,min_blocks,chunks_per_block", checked."""
+def _variant_setting(text: str, name: str = "RUNTIME_WNA16_CUDA_GEMV_VARIANT") -> Variant:
+    """Setting ``name``'s "columns,min_blocks,chunks_per_block", checked."""
     shapes = [(v.columns, v.min_blocks) for v in VARIANTS]
     fields = text.split(",")
     if len(fields) != 3 or not all(f.strip().isdigit() for f in fields):
-        raise ValueError(f"RUNTIME_WNA16_CUDA_GEMV_VARIANT={text!r}: it takes columns,min_blocks,chunks_per_block "
-                         f"(e.g. 2,2,16)")
+        raise ValueError(f"{name}={text!r}: it takes columns,min_blocks,chunks_per_block (e.g. 2,2,16)")
     variant = Variant(*map(int, fields))
     if (variant.columns, variant.min_blocks) not in shapes or not 1 <= variant.chunks_per_block <= MAX_CHUNKS_PER_BLOCK:
-        raise ValueError(f"RUNTIME_WNA16_CUDA_GEMV_VARIANT={text!r}: columns,min_blocks must be one of {shapes} and "
+        raise ValueError(f"{name}={text!r}: columns,min_blocks must be one of {shapes} and "
                          f"chunks_per_block from 1 to {MAX_CHUNKS_PER_BLOCK}")
     return variant
 
 
 DEFAULT = _variant_setting(os.environ.get("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "2,2,16"))
+# One-row layers of at least LARGE_WEIGHTS weights (Llama-3-8B's gate_up and down, not qkv and o) take 4 columns a lane:
+# on an H200 alone 21.3 / 12.2 µs against 23.2 / 14.3 at 2 (qkv and o lose at 4: 8.4 / 7.4 against 7.2 / 5.8), and W3
+# 4-bit 2.34 ms a token against 2.40-2.41 (benchmarks/RESULTS.md, session 23).
+# RUNTIME_WNA16_CUDA_GEMV_LARGE_VARIANT="columns,min_blocks,chunks_per_block" picks another ("" : the default's).
+LARGE_WEIGHTS = 32 << 20
+_LARGE_SETTING = os.environ.get("RUNTIME_WNA16_CUDA_GEMV_LARGE_VARIANT", "4,2,16")
+LARGE = _variant_setting(_LARGE_SETTING, "RUNTIME_WNA16_CUDA_GEMV_LARGE_VARIANT") if _LARGE_SETTING else None
 # Several rows keep more sums in registers: 2 blocks an SM (128 registers) hold 4 rows without spills.
 MULTI_ROW = Variant(2, 2, 16)
 
 
 @functools.cache
 def kernels(device_index: int, columns: int = DEFAULT.columns, min_blocks: int = DEFAULT.min_blocks,
-            rows: int = 1, prologue: int = PLAIN) -> dict[torch.dtype, Any] | None:
-    """One variant's kernel for ``rows`` rows and ``prologue`` per activation dtype, compiled and
-    loaded for this GPU (only what is used is compiled; CuPy keeps the binaries on disk for later
-    starts), or None (logged once)."""
+            rows: int = 1, prologue: int = PLAIN, cluster: bool = False) -> dict[torch.dtype, Any] | None:
+    """One variant's kernel for ``rows`` rows and ``prologue`` per activation dtype (``cluster``: the one
+    launched in clusters of its blocks along K), compiled and loaded for this GPU (only what is used is
+    compiled; CuPy keeps the binaries on disk for later starts), or None (logged once)."""
     from runtime_kernels import cuda_launch  # runtime-plugin-cuda's kernels: compiling and launching
 
-    names = {dtype: f"w4a16::gemv<{name}, {columns}, {min_blocks}, {rows}, {prologue}>"
+    names = {dtype: f"w4a16::gemv<{name}, {columns}, {min_blocks}, {rows}, {prologue}, {int(cluster)}>"
              for dtype, name in KERNEL_TYPES.items()}
     compiled = cuda_launch.compile_kernels((files("runtime_quant") / "w4a16_gemv.cu").read_text(), names.values(),
                                            device_index)
@@ -131,8 +146,11 @@ def column_blocks(runs: int, blocks_k: int, min_blocks: int, device_index: int) 
     return -(-runs // rounds)
 
 
-def variant_for(rows: int) -> Variant:
-    return DEFAULT if rows == 1 else MULTI_ROW
+def variant_for(rows: int, k: int = 0, n: int = 0) -> Variant:
+    """The variant for ``rows`` rows of a [k, n] layer."""
+    if rows > 1:
+        return MULTI_ROW
+    return LARGE if LARGE is not None and k * n >= LARGE_WEIGHTS else DEFAULT
 
 
 def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor, prologue: int = PLAIN) -> bool:
@@ -157,7 +175,8 @@ def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor, prologue: int =
         and x.is_contiguous() and x.data_ptr() % 16 == 0
         and _aligned(layer.qweight, 16) and _aligned(layer.scales, 16) and _aligned(layer.zeros, 4)
         and kernels(x.device.index if x.device.index is not None else torch.cuda.current_device(),
-                    variant_for(x.shape[0]).columns, variant_for(x.shape[0]).min_blocks, x.shape[0], prologue) is not None
+                    variant_for(x.shape[0], k, n).columns, variant_for(x.shape[0], k, n).min_blocks, x.shape[0],
+                    prologue) is not None
     )
 
 
@@ -180,9 +199,9 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
     ``residual_out`` (or not, None). ``locks``: int32 counters, zero, at least one per block of columns (the
     kernel leaves them zero)."""
     rows = x.shape[0]
-    variant = variant or variant_for(rows)
     qweight, scales, zeros = layer.qweight, layer.scales, layer.zeros
     k, n = layer.in_features, qweight.shape[1]
+    variant = variant or variant_for(rows, k, n)
     num_chunks = k // CHUNK_ROWS
     chunks_per_block = min(variant.chunks_per_block, num_chunks)
     assert 0 < chunks_per_block <= MAX_CHUNKS_PER_BLOCK
@@ -190,25 +209,34 @@ def gemv(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, loc
     grid = (column_blocks(runs, blocks_k, variant.min_blocks, x.device.index), blocks_k)
     assert runs <= locks.numel()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    parts = torch.empty(grid[1], rows, n, dtype=torch.float32, device=x.device) if grid[1] > 1 else out
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
-    args = (
-        x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-        bias.data_ptr() if bias is not None else 0, out.data_ptr(), parts.data_ptr(), locks.data_ptr(),
-        np.int32(n), np.int32(k), np.int32(min(layer.quant_group_rows, k)), np.int32(chunks_per_block),
-        np.int32(qweight.stride(0)), np.int32(scales.stride(0)), np.int32(zeros.stride(0)), np.int32(bias is not None),
-        np.int32(x.stride(0)), residual.data_ptr() if residual is not None else 0,
-        norm_weight.data_ptr() if norm_weight is not None else 0,
-        residual_out.data_ptr() if residual_out is not None else 0, np.float32(eps),
-    )
+
+    def args(parts: torch.Tensor) -> tuple:
+        return (
+            x.data_ptr(), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+            bias.data_ptr() if bias is not None else 0, out.data_ptr(), parts.data_ptr(), locks.data_ptr(),
+            np.int32(n), np.int32(k), np.int32(min(layer.quant_group_rows, k)), np.int32(chunks_per_block),
+            np.int32(qweight.stride(0)), np.int32(scales.stride(0)), np.int32(zeros.stride(0)), np.int32(bias is not None),
+            np.int32(x.stride(0)), residual.data_ptr() if residual is not None else 0,
+            norm_weight.data_ptr() if norm_weight is not None else 0,
+            residual_out.data_ptr() if residual_out is not None else 0, np.float32(eps),
+        )
+
     from runtime_kernels import cuda_launch
 
-    kernel = kernels(x.device.index, variant.columns, variant.min_blocks, rows, prologue)[x.dtype]
+    shared_mem = rows * chunks_per_block * CHUNK_ROWS * 2
     # PDL where the prologues make a layer's GEMVs follow one another (measured to lose at 4 rows without them), in
     # CUDA graphs: an eager step is bound by its launches, which PDL's ctypes path makes slower
     overlap = PDL and PROLOGUES and rows <= PROLOGUE_MAX_ROWS and torch.cuda.is_current_stream_capturing()
-    cuda_launch.launch(kernel, grid, THREADS, args, rows * chunks_per_block * CHUNK_ROWS * 2, x.device, pdl=overlap)
+    if CLUSTERS and 1 < grid[1] <= MAX_CLUSTER and cuda_launch.clusters_available(x.device.index):
+        compiled = kernels(x.device.index, variant.columns, variant.min_blocks, rows, prologue, cluster=True)
+        if compiled is not None and cuda_launch.launch(compiled[x.dtype], grid, THREADS, args(out), shared_mem, x.device,
+                                                       pdl=overlap, cluster=(1, grid[1], 1)):
+            return out
+    parts = torch.empty(grid[1], rows, n, dtype=torch.float32, device=x.device) if grid[1] > 1 else out
+    kernel = kernels(x.device.index, variant.columns, variant.min_blocks, rows, prologue)[x.dtype]
+    cuda_launch.launch(kernel, grid, THREADS, args(parts), shared_mem, x.device, pdl=overlap)
     return out
 
 

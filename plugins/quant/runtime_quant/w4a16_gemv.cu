@@ -24,8 +24,10 @@
 // A block is 8 warps over 32 C columns (C = 4 or 2 a lane: one 16- or 8-byte load per word row) and a run of
 // 128-row chunks of K; each warp takes whole chunks. Its first chunk's loads are issued before x is prepared, and while it
 // computes one half of a chunk (8 word rows) the loads of the next chunk's other half are in flight. Blocks along K
-// (grid.y) write their partial sums, and the last block of a column run to finish (an atomic counter, which it
-// resets) adds them in block order: deterministic, with no zeroing kernel and no atomics on the output.
+// (grid.y) add their partial sums in block order, deterministic, with no zeroing kernel and no atomics on the output:
+// launched as clusters of the blocks along K (template kCluster, sm_90+), block 0 of a cluster reads the others' sums
+// from their shared memory; else each block writes its sums to global memory, and the last block of a column run to
+// finish (an atomic counter, which it resets) adds them.
 
 #include "gemv_common.cuh"  // runtime_kernels/cuda: the types, loads, PDL and prologues this GEMV shares
 
@@ -139,9 +141,10 @@ __device__ __forceinline__ void dot_half(const HalfChunk<C>& h, const uint4* xs,
 // M * chunks_per_block * 16 * 16 bytes; at most 16 chunks a block. kMinBlocks: the blocks an SM must hold at once
 // (2 caps registers at 128 a thread). parts: [blocks along K, M, n] float32.
 // Requires k % 128 == 0, n % 4 == 0, group_rows % 128 == 0 or >= k, 16-byte aligned rows of qweight and scales,
-// 4-byte aligned rows of zeros, 16-byte aligned x.
+// 4-byte aligned rows of zeros, 16-byte aligned x. kCluster: launched with clusters of (1, gridDim.y, 1) blocks
+// (gridDim.y <= 8); parts and locks are then unused.
 // The norm prologues: residual [M, k] or null, norm_weight [k], residual_out [M, k] (x + residual) or null, eps.
-template <typename T, int C, int kMinBlocks, int M, int P>
+template <typename T, int C, int kMinBlocks, int M, int P, int kCluster>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
     const T* __restrict__ x, const unsigned int* __restrict__ qweight, const float* __restrict__ scales,
     const unsigned char* __restrict__ zeros, const T* __restrict__ bias, T* __restrict__ out,
@@ -155,6 +158,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
   __shared__ float block_max[M][kWarps];
   __shared__ float block_squares[kNorm ? M : 1][kWarps];
   __shared__ int is_last;
+  __shared__ float cluster_sums[kCluster ? M : 1][kCluster ? kCols : 1];  // this block's sums, read by block 0
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk0 = blockIdx.y * chunks_per_block;
@@ -311,6 +315,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) gemv(
 #pragma unroll
         for (int r = 0; r < M; ++r)
           out[static_cast<size_t>(r) * n + out_col] = T::round(has_bias ? total[r] + bias[out_col].value() : total[r]);
+      continue;
+    }
+    if constexpr (kCluster) {
+      if (writes)
+#pragma unroll
+        for (int r = 0; r < M; ++r) cluster_sums[r][threadIdx.x] = total[r];
+      cluster_sync();  // every block's sums are in its shared memory
+      if (cluster_rank() == 0 && writes) {
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+          float sum = 0.0f;
+          for (int s = 0; s < static_cast<int>(gridDim.y); ++s) sum += load_cluster_shared(&cluster_sums[r][threadIdx.x], s);
+          out[static_cast<size_t>(r) * n + out_col] = T::round(has_bias ? sum + bias[out_col].value() : sum);
+        }
+      }
+      cluster_sync();  // block 0 has read them: they may be overwritten (the next column run) or freed
       continue;
     }
     if (writes)

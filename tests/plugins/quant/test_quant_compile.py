@@ -21,7 +21,8 @@ def test_quant_kernels_compile_for_sm90():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
 def test_cuda_gemv_compiles_for_sm90_without_spills(tmp_path):
     """Every variant of the CUDA 4-bit GEMV for one row, and the multi-row one for 2-4 rows, with
-    every prologue for one row and for 4 (both activation dtypes), compiles for sm_90, and ptxas
+    every prologue for one row and for 4 (both activation dtypes), with and without thread block
+    clusters, compiles for sm_90, and ptxas
     keeps it in registers: a spill would put the weights in flight into local memory."""
     from runtime_quant import w4a16_cuda
 
@@ -33,9 +34,10 @@ def test_cuda_gemv_compiles_for_sm90_without_spills(tmp_path):
               + [(w4a16_cuda.DEFAULT, 1, p) for p in prologues[1:]]
               + [(w4a16_cuda.MULTI_ROW, rows, w4a16_cuda.PLAIN) for rows in range(2, most + 1)]
               + [(w4a16_cuda.MULTI_ROW, most, p) for p in prologues[1:]])
+    shapes = [(v, rows, p, cluster) for v, rows, p in shapes for cluster in (0, 1)]  # each also in thread block clusters
     for name in w4a16_cuda.KERNEL_TYPES.values():
-        for v, rows, p in shapes:
-            lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}, {rows}, {p}>(const {name}*, "
+        for v, rows, p, cluster in shapes:
+            lines.append(f"template __global__ void w4a16::gemv<{name}, {v.columns}, {v.min_blocks}, {rows}, {p}, {cluster}>(const {name}*, "
                          "const unsigned int*, const float*, const unsigned char*, const " + name + "*, " + name + "*, "
                          f"float*, int*, int, int, int, int, int, int, int, int, int, const {name}*, const {name}*, {name}*, "
                          "float);")

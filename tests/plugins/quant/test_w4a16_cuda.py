@@ -166,6 +166,57 @@ def test_cuda_gemv_blocks_of_several_column_runs(rows, sms, k, n, monkeypatch):
         torch.testing.assert_close(normed.float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("blocks_k", [2, 3, 7, 8, 9])
+@pytest.mark.parametrize("sms", [None, 1])
+def test_cuda_gemv_cluster_sums_equal_the_global_memory_sums(rows, blocks_k, sms, monkeypatch):
+    """On sm_90+, 2-8 blocks along K run as one thread block cluster and block 0 adds the others' sums
+    from their shared memory: bit for bit the global-memory sum (same order), with a norm prologue, also
+    when each block takes several column runs (the GPU made to look like one multiprocessor) and under a
+    graph replayed twice; 9 blocks along K (more than a portable cluster) take the global-memory sum."""
+    from runtime_kernels import cuda_launch
+    from runtime_kernels.norm import rms_norm_ref
+    from runtime_quant import w4a16_cuda, wna16_gpu
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread block clusters need sm_90+")
+    if sms is not None:
+        monkeypatch.setattr(w4a16_cuda, "_num_sms", lambda index: sms)
+    monkeypatch.setattr(w4a16_cuda, "PROLOGUE_MAX_ROWS", w4a16_cuda.KERNEL_MAX_ROWS)
+    k, n = blocks_k * 4 * 128, 1000  # 4 chunks a block
+    variant = dataclasses.replace(w4a16_cuda.variant_for(rows), chunks_per_block=4)
+    layer, scheme = make_layer(4, 128, k, n, device="cuda", seed=k + rows)
+    g = torch.Generator().manual_seed(blocks_k)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
+    residual = torch.randn(rows, k, generator=g).to(torch.bfloat16).cuda()
+    norm_weight = (torch.randn(k, generator=g) * 0.1 + 1).to(torch.bfloat16).cuda()
+    clusters = []
+    launch = cuda_launch.launch
+    monkeypatch.setattr(cuda_launch, "launch", lambda *a, **kw: clusters.append(kw.get("cluster")) or launch(*a, **kw))
+
+    def run():
+        return w4a16_cuda.gemv(layer, x, None, wna16_gpu._locks(x.device), variant, prologue=w4a16_cuda.RMS_NORM,
+                               residual=residual, norm_weight=norm_weight, residual_out=torch.empty_like(x), eps=1e-6)
+
+    outputs = {}
+    for on in (False, True):
+        monkeypatch.setattr(w4a16_cuda, "CLUSTERS", on)
+        clusters.clear()
+        eager = run()
+        run()  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = run()
+        for _ in range(2):
+            graph.replay()
+            assert torch.equal(replayed, eager)
+        assert clusters == [(1, blocks_k, 1) if on and blocks_k <= 8 else None] * 3
+        outputs[on] = eager
+    assert torch.equal(outputs[True], outputs[False])
+    expected = _reference(layer, scheme, rms_norm_ref(x + residual, norm_weight, 1e-6), None)
+    torch.testing.assert_close(outputs[True].float(), expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("prologue", ["silu", "rms", "rms-residual", "gemma-residual"])
 @pytest.mark.parametrize("k,n", [(4096, 640), (1024, 200)])  # 2 blocks along K (block (0, 0) writes all of s), 1

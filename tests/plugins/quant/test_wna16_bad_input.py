@@ -148,6 +148,8 @@ def test_act_order_fused_projections_with_different_orders(float_checkpoint, tmp
     ("RUNTIME_WNA16_CUDA_GEMV_PROLOGUE_MAX_ROWS", "9", "=9 is out of range; it takes an integer from 0 to 4"),
     ("RUNTIME_WNA16_CUDA_GEMV_PDL", "yes", "'yes': it takes 0 (off) or 1 (on)"),
     ("RUNTIME_WNA16_CUDA_GEMV_VARIANT", "3,3,16", "columns,min_blocks must be one of [(4, 2), (4, 1), (2, 2), (2, 3)]"),
+    ("RUNTIME_WNA16_CUDA_GEMV_LARGE_VARIANT", "4,2", "'4,2': it takes columns,min_blocks,chunks_per_block"),
+    ("RUNTIME_WNA16_CUDA_GEMV_CLUSTERS", "on", "'on': it takes 0 (off) or 1 (on)"),
     ("RUNTIME_WNA16_DEQUANT_MIN_ROWS", "0", "=0 is out of range; it takes an integer >= 1"),
 ])
 def test_bad_kernel_settings_name_the_variable_and_what_it_takes(name, value, message):
@@ -156,3 +158,20 @@ def test_bad_kernel_settings_name_the_variable_and_what_it_takes(name, value, me
     result = subprocess.run([sys.executable, "-c", "import runtime_quant.wna16_gpu"], capture_output=True, text=True,
                             env={**os.environ, name: value}, timeout=120)
     assert result.returncode != 0 and f"ValueError: {name}" in result.stderr and message in result.stderr, result.stderr
+
+
+def test_one_row_layers_of_32mi_weights_take_the_large_variant():
+    """One-row calls of Llama-3-8B's gate_up [4096 x 28672] and down [14336 x 4096] take 4 columns a lane,
+    qkv and o the default 2; several rows the multi-row variant; RUNTIME_WNA16_CUDA_GEMV_LARGE_VARIANT picks
+    another, and "" none (every one-row layer on the default)."""
+    from runtime_quant import w4a16_cuda
+
+    assert w4a16_cuda.LARGE == w4a16_cuda.Variant(4, 2, 16)
+    assert w4a16_cuda.variant_for(1, 4096, 28672) == w4a16_cuda.variant_for(1, 14336, 4096) == w4a16_cuda.LARGE
+    assert w4a16_cuda.variant_for(1, 4096, 6144) == w4a16_cuda.variant_for(1, 4096, 4096) == w4a16_cuda.DEFAULT
+    assert w4a16_cuda.variant_for(3, 4096, 28672) == w4a16_cuda.MULTI_ROW
+    script = "from runtime_quant import w4a16_cuda as w; print(w.LARGE, w.variant_for(1, 4096, 28672).columns)"
+    for value, expected in (("", "None 2"), ("2,3,8", "Variant(columns=2, min_blocks=3, chunks_per_block=8) 2")):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "RUNTIME_WNA16_CUDA_GEMV_LARGE_VARIANT": value})
+        assert result.stdout.strip() == expected, result.stderr
