@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime_kernels import cuda_launch, gemv_cuda
+from runtime_kernels import attention_cuda, cuda_launch, gemv_cuda
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
@@ -39,6 +39,27 @@ def test_dense_gemv_compiles_for_sm90_without_spills(tmp_path):
         lines.append(f"template __global__ void dense_gemv::gemv<{x_type}, {w_type}, {rows}, {stretches}, {p}>(const {x_type}*, "
                      f"const {w_type}*, const float*, const {x_type}*, {x_type}*, int, int, long long, int, int, "
                      f"const {x_type}*, const {x_type}*, {x_type}*, float);")
+    source = tmp_path / "instances.cu"
+    source.write_text("\n".join(lines) + "\n")
+    result = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", f"-I{cuda_launch.include_dir()}",
+                             "-o", str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    compiled = [line for line in result.stderr.splitlines() if "Compiling entry function" in line]
+    assert len(compiled) == len(instances), result.stderr
+    spills = [line for line in result.stderr.splitlines() if "spill" in line]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), result.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
+def test_fp8_decode_attention_compiles_for_sm90_without_spills(tmp_path):
+    """Every query type, group and head size the CUDA FP8-cache decode attention is built for."""
+    instances = [(t, g, d) for t in attention_cuda.QUERY_TYPES.values() for g in attention_cuda.GROUPS
+                 for d in attention_cuda.HEAD_SIZES]
+    lines = [f'#include "{os.path.join(cuda_launch.include_dir(), "fp8_decode_attention.cu")}"']
+    for t, g, d in instances:
+        lines.append(f"template __global__ void fp8_decode_attention::decode<{t}, {g}, {d}>(const {t}*, const unsigned char*, "
+                     f"const unsigned char*, {t}*, float*, const int*, const int*, float, int, int, int, int, long long, int, "
+                     "int, long long, int, int, int, int);")
     source = tmp_path / "instances.cu"
     source.write_text("\n".join(lines) + "\n")
     result = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", f"-I{cuda_launch.include_dir()}",
