@@ -34,11 +34,6 @@ def kernel(device_index: int, query_dtype: torch.dtype, group: int, head_size: i
     return None if compiled is None else compiled[name]
 
 
-@functools.cache
-def _fp8_conversions(device_index: int) -> bool:  # cvt.rn.f16x2.e4m3x2: sm_89+
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
 def _aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
 
@@ -59,7 +54,7 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         and head_size in HEAD_SIZES and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads in GROUPS
         and block_size & (block_size - 1) == 0
         and _aligned(query) and _aligned(key_cache) and _aligned(value_cache)
-        and _fp8_conversions(index)
+        and cuda_launch.fp8_conversions(index)
         and kernel(index, query.dtype, num_heads // num_kv_heads, head_size) is not None
     )
 

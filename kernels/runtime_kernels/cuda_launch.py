@@ -56,6 +56,12 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def fp8_conversions(device_index: int) -> bool:
+    """Whether GPU ``device_index`` converts FP8 pairs to float16 in one instruction (cvt.rn.f16x2.e4m3x2: sm_89+)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def max_blocks_per_sm(kernel: Any, threads: int, shared_mem: int, fallback: int) -> int:
     """How many blocks of ``kernel`` (a CuPy function) a multiprocessor holds at once, by the driver's
     ``cuOccupancyMaxActiveBlocksPerMultiprocessor``, or ``fallback`` where it cannot tell."""

@@ -63,11 +63,6 @@ def kernel(device_index: int, x_dtype: torch.dtype, weight_dtype: torch.dtype, p
     return None if compiled is None else compiled[name]
 
 
-@functools.cache
-def _fp8_conversions(device_index: int) -> bool:  # cvt.rn.f16x2.e4m3x2: sm_89+
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
-
-
 def takes(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
     """Whether the kernel takes rows of ``x_dtype`` through ``weight`` [N, K] on its GPU: a 16-bit ``x_dtype``,
     weights of that dtype or FP8 (sm_89+), 16-byte aligned rows, K a multiple of 16 up to 24,576."""
@@ -77,7 +72,7 @@ def takes(weight: torch.Tensor, x_dtype: torch.dtype) -> bool:
     index = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
     return (
         _weight_type(weight.dtype, x_dtype) is not None
-        and (weight.dtype != FP8 or _fp8_conversions(index))
+        and (weight.dtype != FP8 or cuda_launch.fp8_conversions(index))
         and k % 16 == 0 and 2 * k <= MAX_SHARED
         and weight.stride(1) == 1 and weight.data_ptr() % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
         and kernel(index, x_dtype, weight.dtype) is not None

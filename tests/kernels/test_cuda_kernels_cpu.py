@@ -34,13 +34,17 @@ def test_dense_gemv_compiles_for_sm90_without_spills(tmp_path):
         for w_type in (x_type, "dense_gemv::e4m3"):
             instances += [(x_type, w_type, rows, stretches, gemv_cuda.PLAIN) for rows, stretches in gemv_cuda.SHAPES]
             instances += [(x_type, w_type, *gemv_cuda.SHAPE, p) for p in prologues[1:]]
-    lines = [f'#include "{os.path.join(cuda_launch.include_dir(), "dense_gemv.cu")}"']
-    for x_type, w_type, rows, stretches, p in instances:
-        lines.append(f"template __global__ void dense_gemv::gemv<{x_type}, {w_type}, {rows}, {stretches}, {p}>(const {x_type}*, "
-                     f"const {w_type}*, const float*, const {x_type}*, {x_type}*, int, int, long long, int, int, "
-                     f"const {x_type}*, const {x_type}*, {x_type}*, float);")
+    _compile_for_sm90_without_spills(tmp_path, "dense_gemv.cu", [
+        f"template __global__ void dense_gemv::gemv<{x_type}, {w_type}, {rows}, {stretches}, {p}>(const {x_type}*, "
+        f"const {w_type}*, const float*, const {x_type}*, {x_type}*, int, int, long long, int, int, "
+        f"const {x_type}*, const {x_type}*, {x_type}*, float);" for x_type, w_type, rows, stretches, p in instances])
+
+
+def _compile_for_sm90_without_spills(tmp_path, source_name: str, instances: list[str]) -> None:
+    """``instances`` (explicit instantiations) of ``runtime_kernels/cuda/<source_name>`` compile for sm_90
+    through nvcc, and ptxas keeps every one in registers."""
     source = tmp_path / "instances.cu"
-    source.write_text("\n".join(lines) + "\n")
+    source.write_text("\n".join([f'#include "{os.path.join(cuda_launch.include_dir(), source_name)}"', *instances]) + "\n")
     result = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", f"-I{cuda_launch.include_dir()}",
                              "-o", str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
@@ -55,20 +59,10 @@ def test_fp8_decode_attention_compiles_for_sm90_without_spills(tmp_path):
     """Every query type, group and head size the CUDA FP8-cache decode attention is built for."""
     instances = [(t, g, d) for t in attention_cuda.QUERY_TYPES.values() for g in attention_cuda.GROUPS
                  for d in attention_cuda.HEAD_SIZES]
-    lines = [f'#include "{os.path.join(cuda_launch.include_dir(), "fp8_decode_attention.cu")}"']
-    for t, g, d in instances:
-        lines.append(f"template __global__ void fp8_decode_attention::decode<{t}, {g}, {d}>(const {t}*, const unsigned char*, "
-                     f"const unsigned char*, {t}*, float*, const int*, const int*, float, int, int, int, int, long long, int, "
-                     "int, long long, int, int, int, int);")
-    source = tmp_path / "instances.cu"
-    source.write_text("\n".join(lines) + "\n")
-    result = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", f"-I{cuda_launch.include_dir()}",
-                             "-o", str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    compiled = [line for line in result.stderr.splitlines() if "Compiling entry function" in line]
-    assert len(compiled) == len(instances), result.stderr
-    spills = [line for line in result.stderr.splitlines() if "spill" in line]
-    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), result.stderr
+    _compile_for_sm90_without_spills(tmp_path, "fp8_decode_attention.cu", [
+        f"template __global__ void fp8_decode_attention::decode<{t}, {g}, {d}>(const {t}*, const unsigned char*, "
+        f"const unsigned char*, {t}*, float*, const int*, const int*, float, int, int, int, int, long long, int, int, "
+        "long long, int, int, int, int);" for t, g, d in instances])
 
 
 def _cuda_header_dir() -> str | None:

@@ -18,7 +18,7 @@
 // log) and sum into partial [tokens, heads, segments, D_PAD + 2] for runtime_kernels.jit.attention's merge kernel.
 // Requires D in {64, 128, 256}, 16-byte aligned cache rows, a power-of-two block size (block_shift = its log2).
 
-#include "gemv_common.cuh"  // the 16-bit activation types
+#include "gemv_common.cuh"  // the 16-bit activation types, streaming loads, packed half2 arithmetic
 
 namespace fp8_decode_attention {
 
@@ -28,30 +28,10 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kLoads = 4;  // U: 16-byte loads of keys (and of values) a lane has in flight per tile
 
-__device__ __forceinline__ void load16(uint4& v, const unsigned char* p, bool on) {
-  asm volatile(
-      "{.reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
-      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "l"(p), "r"(static_cast<int>(on)));
-}
 // Four e4m3 codes (a word) as two float16 pairs: codes 0-1 and 2-3 (exact).
 __device__ __forceinline__ void e4m3x4_to_half2(unsigned int word, unsigned int& low, unsigned int& high) {
   asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;}"
       : "=r"(low), "=r"(high) : "r"(word));
-}
-__device__ __forceinline__ unsigned int fma_half2(unsigned int a, unsigned int b, unsigned int c) {
-  unsigned int out;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(c));
-  return out;
-}
-__device__ __forceinline__ float2 half2_to_float2(unsigned int a) {
-  float low, high;
-  asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}" : "=f"(low), "=f"(high) : "r"(a));
-  return make_float2(low, high);
-}
-__device__ __forceinline__ unsigned int half2_of(float low, float high) {
-  unsigned int out;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
-  return out;
 }
 __device__ __forceinline__ float exp2_approx(float x) {  // 2^x; 2^-inf = 0
   float y;
@@ -110,9 +90,9 @@ __global__ void __launch_bounds__(kThreads) decode(
       const bool on = t < end_tile && key < seq_len;
       const long long block = on ? table[key >> block_shift] : 0;
       const int slot = key & block_mask;
-      load16(kw[u], k_cache + block * stride_k_block + static_cast<long long>(slot) * stride_k_slot +
+      load_streaming(kw[u], k_cache + block * stride_k_block + static_cast<long long>(slot) * stride_k_slot +
                         static_cast<long long>(kv_head) * stride_k_head + part * 16, on);
-      load16(vw[u], v_cache + block * stride_v_block + static_cast<long long>(slot) * stride_v_slot +
+      load_streaming(vw[u], v_cache + block * stride_v_block + static_cast<long long>(slot) * stride_v_slot +
                         static_cast<long long>(kv_head) * stride_v_head + part * 16, on);
     }
   };
@@ -147,8 +127,7 @@ __global__ void __launch_bounds__(kThreads) decode(
         unsigned int dot = 0u;
 #pragma unroll
         for (int i = 0; i < 8; ++i) dot = fma_half2(kh[i], qh[h][i], dot);
-        const float2 pair = half2_to_float2(dot);
-        float v = pair.x + pair.y;
+        float v = sum_half2(dot);
 #pragma unroll
         for (int offset = 1; offset < L; offset <<= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
         s[u][h] = key_of(t, u) < seq_len ? v : minus_infinity();
@@ -182,7 +161,7 @@ __global__ void __launch_bounds__(kThreads) decode(
       for (int i = 0; i < 4; ++i) {
         unsigned int low, high;
         e4m3x4_to_half2(words[i], low, high);
-        const float2 a = half2_to_float2(low), b = half2_to_float2(high);
+        const float2 a = float2_of(low), b = float2_of(high);
 #pragma unroll
         for (int h = 0; h < G; ++h) {
           acc[h][4 * i] = fmaf(s[u][h], a.x, acc[h][4 * i]);

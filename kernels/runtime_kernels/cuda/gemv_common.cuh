@@ -33,12 +33,36 @@ struct bf16 {
 };
 
 
+// Packed half2 arithmetic: two float16 values in a 32-bit register (the low half first).
+__device__ __forceinline__ unsigned int half2_of(float low, float high) {
+  unsigned int out;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
+  return out;
+}
+__device__ __forceinline__ unsigned int fma_half2(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int out;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(c));
+  return out;
+}
+__device__ __forceinline__ float2 float2_of(unsigned int a) {
+  float low, high;
+  asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}" : "=f"(low), "=f"(high) : "r"(a));
+  return make_float2(low, high);
+}
+__device__ __forceinline__ float sum_half2(unsigned int a) {
+  const float2 v = float2_of(a);
+  return v.x + v.y;
+}
+
 // Weights are read once: not kept in L1. Predicated rather than branched, so that the compiler keeps the
 // next half chunk's loads where they are written (ahead of the other half's arithmetic).
 __device__ __forceinline__ void load_streaming(unsigned int (&v)[4], const unsigned int* address, bool on) {
   asm volatile(
       "{.reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
       : "+r"(v[0]), "+r"(v[1]), "+r"(v[2]), "+r"(v[3]) : "l"(address), "r"(static_cast<int>(on)));
+}
+__device__ __forceinline__ void load_streaming(uint4& v, const void* address, bool on) {
+  load_streaming(*reinterpret_cast<unsigned int(*)[4]>(&v), static_cast<const unsigned int*>(address), on);
 }
 __device__ __forceinline__ void load_streaming(unsigned int (&v)[2], const unsigned int* address, bool on) {
   asm volatile("{.reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];}"

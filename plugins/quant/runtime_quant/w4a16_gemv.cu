@@ -42,25 +42,10 @@ constexpr unsigned int kLowNibbles = 0x000F000Fu;
 constexpr unsigned int kHighNibbles = 0x00F000F0u;
 constexpr unsigned int kHalf1024 = 0x64006400u;  // two halves of 1024.0: their mantissa's unit is 1
 
-__device__ __forceinline__ unsigned int half2_of(float low, float high) {
-  unsigned int out;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(high), "f"(low));
-  return out;
-}
 __device__ __forceinline__ unsigned int sub_half2(unsigned int a, unsigned int b) {
   unsigned int out;
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
   return out;
-}
-__device__ __forceinline__ unsigned int fma_half2(unsigned int a, unsigned int b, unsigned int c) {
-  unsigned int out;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(a), "r"(b), "r"(c));
-  return out;
-}
-__device__ __forceinline__ float sum_half2(unsigned int a) {
-  float low, high;
-  asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}" : "=f"(low), "=f"(high) : "r"(a));
-  return low + high;
 }
 __device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int mask, unsigned int bits) {  // one LOP3
   unsigned int out;
