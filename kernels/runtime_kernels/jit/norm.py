@@ -32,12 +32,18 @@ def rms_norm_kernel(
         # Round the sum to the activation dtype, as the unfused model does.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=ok)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, normalized(x, w, hidden, eps, GEMMA).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def normalized(x, w, hidden, eps, GEMMA: tl.constexpr):
+    """One row ``x`` (the activations' dtype, zero past ``hidden``) normalized and scaled by ``w``, in float32
+    before the last rounding to that dtype: Llama rounds the normalized values first, Gemma scales by
+    ``1 + w`` in float32."""
     xf = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = xf * inv_rms
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if GEMMA:
-        y = normed * (1.0 + w)  # Gemma: scale by 1 + weight, in float32
-    else:
-        y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w  # Llama: round, then scale
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+        return normed * (1.0 + w.to(tl.float32))
+    return normed.to(x.dtype).to(tl.float32) * w.to(tl.float32)

@@ -8,8 +8,9 @@
   (activation groups of ``block_size[1]`` columns, weights in blocks), both with the scales
   applied inside the K loop or once at the end.
 
-Activations are quantized with torch ops (per row amax, divide, cast); fusing that into one
-kernel is left to do.
+Activations are quantized per row by one Triton launch (:func:`_row_quantize`); before three of a
+decoder layer's four linears that launch is the RMSNorm's or the SiLU-and-mul's own
+(:func:`fp8_rms_norm_scaled_mm`, :func:`fp8_silu_and_mul_scaled_mm`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import functools
 import os
 
 import torch
+from runtime.envs import env_flag
 
 from runtime_quant.scheme import FP8, INT8, MIN_SCALE, W8A8Scheme, quant_max
 
@@ -98,10 +100,97 @@ def fp8_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, b
         codes, scale_a = _row_quantize(x, FP8, layer.input_scale)
     else:  # dynamic per tensor
         codes, scale_a = _row_quantize(x, FP8, (x.abs().amax().float() / quant_max(FP8)).clamp(min=MIN_SCALE).reshape(1))
-    y = torch._scaled_mm(
-        codes, layer.weight.t(), scale_a=scale_a, scale_b=layer.weight_scale.view(1, n), out_dtype=torch.bfloat16
-    )
+    return _scaled_mm(layer, codes, scale_a, bias)
+
+
+def _scaled_mm(layer: torch.nn.Module, codes: torch.Tensor, scale_a: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch._scaled_mm(codes, layer.weight.t(), scale_a=scale_a, scale_b=layer.weight_scale.view(1, layer.weight.shape[0]),
+                         out_dtype=torch.bfloat16)
     return y if bias is None else y + bias
+
+
+# The op before an FP8 layer and the activations' quantization in one launch (a row per program, whole):
+# for the per-token scheme on batches of 2+ rows, whose FP8 GEMM needs the codes anyway (one row reads
+# the weights in runtime-kernels' gemv, with no quantization).
+MAX_FUSED_COLUMNS = 16384
+FUSED_QUANT = env_flag("RUNTIME_FP8_FUSED_QUANT")  # 0: the ops and the quantization apart (measuring)
+
+
+def _fp8_codes(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """A codes buffer, and whether torch must round it to FP8 (under Triton's interpreter, as in _row_quantize)."""
+    torch_rounds = os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.empty(rows, cols, dtype=torch.float32 if torch_rounds else FP8, device=device), torch_rounds
+
+
+def _warps(block: int) -> int:
+    return min(16, max(1, block // 256))
+
+
+def rms_norm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      gemma: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scales [T, 1], s)``: the FP8 codes of ``rms_norm(s, weight)`` per row, ``s = x + residual``
+    (``x`` itself without one), exactly as runtime-kernels' RMSNorm then :func:`_row_quantize` give them."""
+    from runtime_quant.jit_gemm import rms_norm_quantize_kernel
+
+    rows, hidden = x.shape
+    summed = x if residual is None else torch.empty_like(x)
+    codes, torch_rounds = _fp8_codes(rows, hidden, x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block = 1 << (hidden - 1).bit_length()
+    if rows:
+        rms_norm_quantize_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, summed, codes, scales,
+            hidden, x.stride(0), residual.stride(0) if residual is not None else 0, summed.stride(0), codes.stride(0),
+            eps, HAS_RESIDUAL=residual is not None, GEMMA=gemma, QMAX=quant_max(FP8), MIN_SCALE=MIN_SCALE,
+            BLOCK_N=block, num_warps=_warps(block),
+        )
+    return (codes.to(FP8) if torch_rounds else codes), scales, summed
+
+
+def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales [T, 1])`` of ``silu(gate) * up`` for ``x`` [T, 2 d] = ``[gate | up]``, exactly as
+    runtime-kernels' ``silu_and_mul`` then :func:`_row_quantize` give them."""
+    from runtime_quant.jit_gemm import silu_and_mul_quantize_kernel
+
+    rows, d = x.shape[0], x.shape[1] // 2
+    codes, torch_rounds = _fp8_codes(rows, d, x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block = 1 << (d - 1).bit_length()
+    if rows:
+        silu_and_mul_quantize_kernel[(rows,)](
+            x, codes, scales, d, x.stride(0), codes.stride(0), QMAX=quant_max(FP8), MIN_SCALE=MIN_SCALE, BLOCK=block,
+            num_warps=_warps(block),
+        )
+    return (codes.to(FP8) if torch_rounds else codes), scales
+
+
+def _fuses_op_before(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, k: int) -> bool:
+    """Whether :func:`fp8_scaled_mm` of the op's output (``k`` columns) would quantize it per token for
+    ``_scaled_mm``, and one program can hold a row."""
+    n = layer.weight.shape[0]
+    return (FUSED_QUANT and scheme.activations == "token" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 1
+            and x.stride(-1) == 1 and n % 16 == 0 and k % 16 == 0 and k <= MAX_FUSED_COLUMNS and x.device.type == "cuda")
+
+
+def fp8_rms_norm_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm_weight: torch.Tensor, eps: float, gemma: bool,
+                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(fp8_scaled_mm(rms_norm(s)), s)`` with the norm and the quantization in one launch, or None where
+    the layer's batch does not quantize per token (see :func:`_fuses_op_before`)."""
+    if not _fuses_op_before(layer, scheme, x, x.shape[-1]) or (residual is not None and residual.stride(-1) != 1):
+        return None
+    codes, scales, summed = rms_norm_quantize(x, residual, norm_weight, eps, gemma)
+    return _scaled_mm(layer, codes, scales, bias), summed
+
+
+def fp8_silu_and_mul_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor,
+                               bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``fp8_scaled_mm(silu_and_mul(x))`` with the activation and the quantization in one launch, or None
+    (see :func:`_fuses_op_before`)."""
+    if not _fuses_op_before(layer, scheme, x, x.shape[-1] // 2):
+        return None
+    codes, scales = silu_and_mul_quantize(x)
+    return _scaled_mm(layer, codes, scales, bias)
 
 
 def fp8_gemv_weights(layer: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:

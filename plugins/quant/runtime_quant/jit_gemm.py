@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from runtime_kernels.jit.norm import normalized  # runtime-kernels' RMSNorm arithmetic
 
 
 @triton.jit
@@ -104,3 +105,60 @@ def row_quantize_kernel(
             odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
             q = tl.where(((r - q) == 0.5) & odd, r - 1.0, r)
         tl.store(codes_ptr + row * stride_codes + k0 + offs, q.to(codes_ptr.dtype.element_ty), mask=k0 + offs < K)
+
+
+@triton.jit
+def _quantize_row(y, codes_ptr, scale_ptr, row, stride_codes, cols, ok, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """One whole row ``y`` (float32, already rounded to the activations' dtype) to FP8 codes and its scale
+    ``amax / QMAX``, with row_quantize_kernel's arithmetic."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.where(ok, tl.abs(y), 0.0), 0), QMAX), MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -QMAX), QMAX)
+    tl.store(codes_ptr + row * stride_codes + cols, q.to(codes_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def rms_norm_quantize_kernel(
+    x_ptr, residual_ptr, weight_ptr, residual_out_ptr, codes_ptr, scale_ptr,
+    hidden, stride_x, stride_r, stride_ro, stride_codes, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """runtime_kernels' RMSNorm of one row (its roundings: the sum with the residual, then Llama's
+    normalized value or Gemma's product, in the activations' dtype), then the row's FP8 codes and scale,
+    in one launch: the norm's output never goes to memory."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    act_ty = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(act_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=ok)
+    y = normalized(x, tl.load(weight_ptr + cols, mask=ok, other=0.0), hidden, eps, GEMMA)
+    _quantize_row(y.to(act_ty).to(tl.float32), codes_ptr, scale_ptr, row, stride_codes, cols, ok, QMAX, MIN_SCALE)
+
+
+@triton.jit
+def silu_and_mul_quantize_kernel(
+    x_ptr, codes_ptr, scale_ptr, d, stride_x, stride_codes,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """runtime_kernels' ``silu(gate) * up`` of one row of ``[gate | up]`` (silu rounded to the activations'
+    dtype before the product, the product rounded), then its FP8 codes and scale, in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    act_ty = gate.dtype
+    gate = gate.to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(act_ty).to(tl.float32)
+    _quantize_row((act * up).to(act_ty).to(tl.float32), codes_ptr, scale_ptr, row, stride_codes, cols, ok, QMAX,
+                  MIN_SCALE)

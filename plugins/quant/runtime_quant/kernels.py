@@ -108,6 +108,10 @@ class Kernel:
     run: Callable[[torch.nn.Module, W8A8Scheme, torch.Tensor, torch.Tensor | None], torch.Tensor]
     # (layer, dtype) -> (weight, row scales) where ``run`` reads one row with runtime-kernels' gemv
     gemv_weights: Callable[[torch.nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    # The op before the layer in the same launch as the activations' quantization (LinearMethod's
+    # apply_rms_norm / apply_silu_and_mul, after the layer argument: the scheme, then theirs), or None
+    after_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    after_silu_and_mul: Callable[..., torch.Tensor | None] | None = None
 
 
 def _int_mm_supports(scheme: W8A8Scheme, device: torch.device) -> bool:
@@ -121,7 +125,8 @@ def _int_mm_supports(scheme: W8A8Scheme, device: torch.device) -> bool:
 
 
 KERNELS: list[Kernel] = [
-    Kernel("fp8_scaled_mm", gpu.fp8_scaled_mm_supports, gpu.fp8_scaled_mm, gpu.fp8_gemv_weights),
+    Kernel("fp8_scaled_mm", gpu.fp8_scaled_mm_supports, gpu.fp8_scaled_mm, gpu.fp8_gemv_weights,
+           gpu.fp8_rms_norm_scaled_mm, gpu.fp8_silu_and_mul_scaled_mm),
     Kernel("triton_scaled_gemm", gpu.triton_scaled_gemm_supports, gpu.triton_scaled_gemm),
     Kernel("int_mm", _int_mm_supports, int_mm),
     Kernel("dequant_matmul", lambda scheme, device: True, dequant_matmul),

@@ -158,6 +158,17 @@ class W8A8LinearMethod:
         # x: [num_tokens, in] -> [num_tokens, out] in x's dtype
         return layer.quant_kernel.run(layer, self.scheme, x, bias)
 
+    # The op before the layer fused with its activations' quantization (runtime.quantization.LinearMethod):
+    # FP8 per-token layers of 2+ rows on a GPU (fp8_scaled_mm); None elsewhere (the ops run apart).
+    def apply_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, gemma: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        fused = layer.quant_kernel.after_rms_norm
+        return None if fused is None else fused(layer, self.scheme, x, residual, norm_weight, eps, gemma, bias)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        fused = layer.quant_kernel.after_silu_and_mul
+        return None if fused is None else fused(layer, self.scheme, x, bias)
+
     def gemv_weights(self, layer: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The FP8 codes and row scales where :meth:`apply` of one row of ``dtype`` is runtime-kernels'
         gemv (the ``fp8_scaled_mm`` kernel's batch-1 path), so a norm or activation before the layer

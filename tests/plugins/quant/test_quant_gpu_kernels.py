@@ -143,3 +143,68 @@ def test_row_quantize_matches_torch(kernel_device, dtype, static):
     expected_scales = static_scale.expand(7, 1) if static else row_scales(x, dtype)
     torch.testing.assert_close(scales.cpu(), expected_scales, atol=0, rtol=0)
     torch.testing.assert_close(codes.cpu().float(), quantize(x, expected_scales, dtype).float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("hidden", [4096, 1000])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["alone", "residual"])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_quantize_is_the_norm_then_the_quantization(kernel_device, hidden, with_residual, gemma):
+    """The RMSNorm that quantizes its rows for the FP8 layer after it gives, bit for bit, the codes and scales of
+    runtime-kernels' norm followed by the row quantizer, and the same x + residual."""
+    from runtime_kernels.norm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(hidden + with_residual + 2 * gemma)
+    x = (torch.randn(5, hidden, generator=g) * 4).to(torch.bfloat16).to(kernel_device)
+    x[1] = 0.0  # a row of zeros: the minimum scale
+    residual = torch.randn(5, hidden, generator=g).to(torch.bfloat16).to(kernel_device) if with_residual else None
+    weight = (torch.randn(hidden, generator=g) * 0.2 + (0.0 if gemma else 1.0)).to(torch.bfloat16).to(kernel_device)
+    inputs = [t.clone() for t in (x, residual) if t is not None]
+    codes, scales, summed = gpu.rms_norm_quantize(x, residual, weight, 1e-6, gemma)
+    if residual is None:
+        normed, expected_summed = rms_norm(x, weight, 1e-6, gemma=gemma), x
+    else:
+        normed, expected_summed = fused_add_rms_norm(*[t.clone() for t in (x, residual)], weight, 1e-6, gemma=gemma)
+    expected_codes, expected_scales = gpu._row_quantize(normed, FP8)
+    assert codes.dtype == FP8 and codes.shape == (5, hidden) and scales.shape == (5, 1)
+    assert torch.equal(scales, expected_scales) and torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+    assert torch.equal(summed, expected_summed) and (residual is not None or summed is x)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, (t for t in (x, residual) if t is not None)))
+
+
+@pytest.mark.parametrize("d", [14336, 1000])
+def test_silu_and_mul_quantize_is_the_activation_then_the_quantization(kernel_device, d):
+    from runtime_kernels.activation import silu_and_mul
+
+    x = (torch.randn(3, 2 * d, generator=torch.Generator().manual_seed(d)) * 3).to(torch.bfloat16).to(kernel_device)
+    codes, scales = gpu.silu_and_mul_quantize(x)
+    expected_codes, expected_scales = gpu._row_quantize(silu_and_mul(x), FP8)
+    assert codes.dtype == FP8 and codes.shape == (3, d)
+    assert torch.equal(scales, expected_scales) and torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 37])
+def test_fp8_layers_take_the_op_before_them_with_the_quantization(rows):
+    """An FP8 per-token layer of 2+ rows runs the RMSNorm (or SiLU-and-mul) before it and the quantization in
+    one launch: exactly fp8_scaled_mm of the separate op's output; one row (the gemv) and static scales decline."""
+    from runtime_kernels.activation import silu_and_mul
+    from runtime_kernels.norm import fused_add_rms_norm
+
+    layer = make_layer(FP8_CHANNEL, 256, 512, "cuda")
+    kernel = select_kernel(FP8_CHANNEL, torch.device("cuda"))
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 512, generator=g).to(torch.bfloat16).cuda()
+    residual = torch.randn(rows, 512, generator=g).to(torch.bfloat16).cuda()
+    weight = (torch.randn(512, generator=g) * 0.1 + 1).to(torch.bfloat16).cuda()
+    bias = torch.randn(256, generator=g).to(torch.bfloat16).cuda()
+    fused = kernel.after_rms_norm(layer, FP8_CHANNEL, x, residual, weight, 1e-6, False, bias)
+    gate_up = torch.randn(rows, 1024, generator=g).to(torch.bfloat16).cuda()
+    fused_silu = kernel.after_silu_and_mul(layer, FP8_CHANNEL, gate_up, bias)
+    if rows == 1:
+        assert fused is None and fused_silu is None
+        return
+    normed, summed = fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    assert torch.equal(fused[0], gpu.fp8_scaled_mm(layer, FP8_CHANNEL, normed, bias)) and torch.equal(fused[1], summed)
+    assert torch.equal(fused_silu, gpu.fp8_scaled_mm(layer, FP8_CHANNEL, silu_and_mul(gate_up), bias))
+    static = make_layer(FP8_STATIC, 256, 512, "cuda")
+    assert kernel.after_rms_norm(static, FP8_STATIC, x, residual, weight, 1e-6, False, None) is None
