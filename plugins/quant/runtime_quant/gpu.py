@@ -113,7 +113,8 @@ def _scaled_mm(layer: torch.nn.Module, codes: torch.Tensor, scale_a: torch.Tenso
 # for the per-token scheme on batches of 2+ rows, whose FP8 GEMM needs the codes anyway (one row reads
 # the weights in runtime-kernels' gemv, with no quantization).
 MAX_FUSED_COLUMNS = 16384
-FUSED_QUANT = env_flag("RUNTIME_FP8_FUSED_QUANT")  # 0: the ops and the quantization apart (measuring)
+# RUNTIME_FP8_FUSED_QUANT=1 turns it on: off by default until it is measured on a GPU (it has not run on one yet).
+FUSED_QUANT = env_flag("RUNTIME_FP8_FUSED_QUANT", False)
 
 
 def _fp8_codes(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, bool]:

@@ -184,12 +184,13 @@ def test_silu_and_mul_quantize_is_the_activation_then_the_quantization(kernel_de
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 37])
-def test_fp8_layers_take_the_op_before_them_with_the_quantization(rows):
+def test_fp8_layers_take_the_op_before_them_with_the_quantization(rows, monkeypatch):
     """An FP8 per-token layer of 2+ rows runs the RMSNorm (or SiLU-and-mul) before it and the quantization in
     one launch: exactly fp8_scaled_mm of the separate op's output; one row (the gemv) and static scales decline."""
     from runtime_kernels.activation import silu_and_mul
     from runtime_kernels.norm import fused_add_rms_norm
 
+    monkeypatch.setattr(gpu, "FUSED_QUANT", True)  # RUNTIME_FP8_FUSED_QUANT=1
     layer = make_layer(FP8_CHANNEL, 256, 512, "cuda")
     kernel = select_kernel(FP8_CHANNEL, torch.device("cuda"))
     g = torch.Generator().manual_seed(rows)
@@ -208,3 +209,5 @@ def test_fp8_layers_take_the_op_before_them_with_the_quantization(rows):
     assert torch.equal(fused_silu, gpu.fp8_scaled_mm(layer, FP8_CHANNEL, silu_and_mul(gate_up), bias))
     static = make_layer(FP8_STATIC, 256, 512, "cuda")
     assert kernel.after_rms_norm(static, FP8_STATIC, x, residual, weight, 1e-6, False, None) is None
+    monkeypatch.setattr(gpu, "FUSED_QUANT", False)  # the default: the ops apart
+    assert kernel.after_rms_norm(layer, FP8_CHANNEL, x, residual, weight, 1e-6, False, bias) is None
