@@ -141,15 +141,16 @@ __global__ void __launch_bounds__(kThreads) decode(
       for (int u = 1; u < kLoads; ++u) tile_max = fmaxf(tile_max, s[u][h]);
 #pragma unroll
       for (int offset = L; offset < 32; offset <<= 1) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
-      const float m_new = fmaxf(m[h], tile_max);  // finite: every tile holds at least one key
-      const float alpha = exp2_approx(m[h] - m_new);
-      m[h] = m_new;
-      l[h] *= alpha;
+      if (tile_max > m[h]) {  // the same on every lane: rescale only when the max grows (finite: a tile holds a key)
+        const float alpha = exp2_approx(m[h] - tile_max);
+        m[h] = tile_max;
+        l[h] *= alpha;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) acc[h][i] *= alpha;
+        for (int i = 0; i < 16; ++i) acc[h][i] *= alpha;
+      }
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        s[u][h] = exp2_approx(s[u][h] - m_new);
+        s[u][h] = exp2_approx(s[u][h] - m[h]);
         l[h] += s[u][h];
       }
     }
