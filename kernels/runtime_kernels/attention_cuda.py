@@ -4,7 +4,7 @@ alone (one query token a request) with ``RUNTIME_FP8_DECODE_CUDA=1``: off by def
 
 The Triton kernel pads a request's G query heads (4 for Llama-3-8B) to the 16 rows of a tensor-core dot and
 transposes 8-bit tiles into its operands; this one computes on CUDA cores with no padding and no transposition
-(the kernel's header says how). Head sizes 64, 128 and 256, 1, 2 or 4 query heads per KV head (8 spill
+(the kernel's header says how). Head sizes 64, 128 and 256, 1, 2 or 4 query heads per KV head (8 would spill
 registers), a power-of-two block size, 16-bit queries; no softcap or sliding window (the Triton kernel takes them).
 """
 

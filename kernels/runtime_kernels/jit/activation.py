@@ -21,6 +21,11 @@ def silu_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
-    # Round silu(gate) to the activation dtype before the product, as the unfused ops do.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ty), mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, silu_times(gate, up, out_ty).to(out_ty), mask=ok)
+
+
+@triton.jit
+def silu_times(gate, up, act_ty: tl.constexpr):
+    """``silu(gate) * up`` (both float32) in float32, silu rounded to the activations' dtype ``act_ty`` before the
+    product, as the unfused ops round it."""
+    return (gate / (1.0 + tl.exp(-gate))).to(act_ty).to(tl.float32) * up

@@ -65,10 +65,7 @@ def _row_quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
     from runtime_quant.jit_gemm import row_quantize_kernel
 
     rows, cols = x.shape
-    # Triton's interpreter rounds to FP8 without carrying into the exponent (1.97 -> 1.0):
-    # there the kernel writes float32 codes and torch rounds them. Compiled kernels convert.
-    torch_rounds = dtype == FP8 and os.environ.get("TRITON_INTERPRET") == "1"
-    codes = torch.empty(rows, cols, dtype=torch.float32 if torch_rounds else dtype, device=x.device)
+    codes = _codes_buffer(rows, cols, dtype, x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         row_quantize_kernel[(rows,)](
@@ -78,7 +75,15 @@ def _row_quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
             # H100, 256 rows: 0.50 ms a step of the 8B model, 0.67 at 4 warps
             num_warps=num_warps or (16 if cols >= 8192 else 8),
         )
-    return (codes.to(dtype) if torch_rounds else codes), scales
+    return codes.to(dtype), scales
+
+
+def _codes_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where a kernel writes 8-bit codes of ``dtype``; ``.to(dtype)`` gives the codes. Triton's interpreter rounds
+    to FP8 without carrying into the exponent (1.97 -> 1.0): there the kernel writes float32 codes and torch
+    rounds them. Compiled kernels convert."""
+    torch_rounds = dtype == FP8 and os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.empty(rows, cols, dtype=torch.float32 if torch_rounds else dtype, device=device)
 
 
 def fp8_scaled_mm(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -117,12 +122,6 @@ MAX_FUSED_COLUMNS = 16384
 FUSED_QUANT = env_flag("RUNTIME_FP8_FUSED_QUANT", False)
 
 
-def _fp8_codes(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, bool]:
-    """A codes buffer, and whether torch must round it to FP8 (under Triton's interpreter, as in _row_quantize)."""
-    torch_rounds = os.environ.get("TRITON_INTERPRET") == "1"
-    return torch.empty(rows, cols, dtype=torch.float32 if torch_rounds else FP8, device=device), torch_rounds
-
-
 def _warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
@@ -135,7 +134,7 @@ def rms_norm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 
     rows, hidden = x.shape
     summed = x if residual is None else torch.empty_like(x)
-    codes, torch_rounds = _fp8_codes(rows, hidden, x.device)
+    codes = _codes_buffer(rows, hidden, FP8, x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = 1 << (hidden - 1).bit_length()
     if rows:
@@ -145,7 +144,7 @@ def rms_norm_quantize(x: torch.Tensor, residual: torch.Tensor | None, weight: to
             eps, HAS_RESIDUAL=residual is not None, GEMMA=gemma, QMAX=quant_max(FP8), MIN_SCALE=MIN_SCALE,
             BLOCK_N=block, num_warps=_warps(block),
         )
-    return (codes.to(FP8) if torch_rounds else codes), scales, summed
+    return codes.to(FP8), scales, summed
 
 
 def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +153,7 @@ def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from runtime_quant.jit_gemm import silu_and_mul_quantize_kernel
 
     rows, d = x.shape[0], x.shape[1] // 2
-    codes, torch_rounds = _fp8_codes(rows, d, x.device)
+    codes = _codes_buffer(rows, d, FP8, x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     block = 1 << (d - 1).bit_length()
     if rows:
@@ -162,7 +161,7 @@ def silu_and_mul_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x, codes, scales, d, x.stride(0), codes.stride(0), QMAX=quant_max(FP8), MIN_SCALE=MIN_SCALE, BLOCK=block,
             num_warps=_warps(block),
         )
-    return (codes.to(FP8) if torch_rounds else codes), scales
+    return codes.to(FP8), scales
 
 
 def _fuses_op_before(layer: torch.nn.Module, scheme: W8A8Scheme, x: torch.Tensor, k: int) -> bool:

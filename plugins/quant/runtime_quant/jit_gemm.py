@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from runtime_kernels.jit.norm import normalized  # runtime-kernels' RMSNorm arithmetic
+from runtime_kernels.jit.activation import silu_times  # runtime-kernels' arithmetic of the ops before a layer
+from runtime_kernels.jit.norm import normalized
 
 
 @triton.jit
@@ -159,6 +160,5 @@ def silu_and_mul_quantize_kernel(
     act_ty = gate.dtype
     gate = gate.to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=ok, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(act_ty).to(tl.float32)
-    _quantize_row((act * up).to(act_ty).to(tl.float32), codes_ptr, scale_ptr, row, stride_codes, cols, ok, QMAX,
+    _quantize_row(silu_times(gate, up, act_ty).to(act_ty).to(tl.float32), codes_ptr, scale_ptr, row, stride_codes, cols, ok, QMAX,
                   MIN_SCALE)

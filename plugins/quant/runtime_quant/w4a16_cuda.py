@@ -160,6 +160,7 @@ def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor, prologue: int =
     loads."""
     k, n = layer.in_features, layer.qweight.shape[1]
     group = layer.quant_group_rows
+    variant = variant_for(x.shape[0], k, n)
     return (
         ENABLED
         and (prologue == PLAIN or (PROLOGUES and x.shape[0] <= PROLOGUE_MAX_ROWS))
@@ -175,8 +176,7 @@ def supports(layer: torch.nn.Module, bits: int, x: torch.Tensor, prologue: int =
         and x.is_contiguous() and x.data_ptr() % 16 == 0
         and _aligned(layer.qweight, 16) and _aligned(layer.scales, 16) and _aligned(layer.zeros, 4)
         and kernels(x.device.index if x.device.index is not None else torch.cuda.current_device(),
-                    variant_for(x.shape[0], k, n).columns, variant_for(x.shape[0], k, n).min_blocks, x.shape[0],
-                    prologue) is not None
+                    variant.columns, variant.min_blocks, x.shape[0], prologue) is not None
     )
 
 
