@@ -1,11 +1,14 @@
 """Sweep the launch shape of the unified attention kernel (GPU only).
 
 For each case (requests x query tokens x context, Qwen3-0.6B / Llama-8B head layout,
-bf16, 16-token blocks) times ``unified_attention`` with every (block_m, tile_n,
+bf16 or FP8 cache, 16-token blocks by default) times ``unified_attention`` with every (block_m, tile_n,
 num_warps, num_stages) in the grid, and prints the achieved KV read bandwidth (decode
 cases) or FLOP rate (prefill cases, causal) next to the current default.
 
-    python3 benchmarks/tune_attention.py
+    python3 benchmarks/tune_attention.py [--block-size 32] [--layout HND]
+
+``--layout HND`` stores each block's slots head by head (the kernel reads it through its strides), to see
+whether the engine's slot-major layout costs bandwidth.
 """
 
 from __future__ import annotations
@@ -29,13 +32,18 @@ CASES = {  # label: (num_reqs, query tokens per request, context, num_heads, num
     "W2 prefill 8x1000": (8, 1000, 1000, 32, 8, 128, torch.bfloat16),
     "W1 prefill 16x512": (16, 512, 512, 16, 8, 128, torch.bfloat16),
 }
-BLOCK_SIZE = 16
 
 
-def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1, cache_dtype=torch.bfloat16):
-    blocks_per_req = -(-context // BLOCK_SIZE)
+def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1, cache_dtype=torch.bfloat16,
+              layout="NHD", block_size=16):
+    blocks_per_req = -(-context // block_size)
     num_blocks = num_reqs * blocks_per_req + 1
-    kv = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    if layout == "HND":  # each head's slots of a block contiguous in memory, seen through the kernels' strides
+        kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, dtype=torch.bfloat16, device="cuda")
+        kv = kv.to(cache_dtype).transpose(2, 3)
+    else:
+        kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.bfloat16, device="cuda")
+        kv = kv.to(cache_dtype)
     perm = torch.randperm(num_blocks - 1, device="cuda")[: num_reqs * blocks_per_req] + 1
     table = perm.view(num_reqs, blocks_per_req).to(torch.int32)
     q = torch.randn(num_reqs * query_len, num_heads, head_size, dtype=torch.bfloat16, device="cuda")
@@ -57,11 +65,15 @@ def main() -> None:
     parser.add_argument("--tile-n", default="32,64,128,256")
     parser.add_argument("--warps", default="2,4,8")
     parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--layout", choices=("NHD", "HND"), default="NHD",
+                        help="the cache's order within a block: slots then heads (the engine's), or heads then slots")
+    parser.add_argument("--block-size", type=int, default=16, help="cache slots a block (the engine's default: 16)")
     args = parser.parse_args()
     default_tiles = attn.attention_tiles
     for label in args.cases:
         num_reqs, query_len, context, heads, kv_heads, head, cache_dtype = CASES[label]
-        q, kv, table, qsl, seq_lens, kv_bytes = make_case(num_reqs, context, heads, kv_heads, head, query_len, cache_dtype)
+        q, kv, table, qsl, seq_lens, kv_bytes = make_case(num_reqs, context, heads, kv_heads, head, query_len, cache_dtype,
+                                                           args.layout, args.block_size)
         out = torch.empty_like(q)
         # causal prefill from position 0: q_len * (q_len + 1) / 2 scores per head, 4 * head FLOPs each
         flops = num_reqs * heads * query_len * (query_len + 1) // 2 * 4 * head

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime_kernels import attention_cuda
 from runtime_kernels.utils import check_last_dim_contiguous, interpreting, next_power_of_2, require_triton
 
 MAX_HEAD_SIZE = 512
@@ -125,35 +124,30 @@ def unified_attention(
     if num_segments > 1:
         partial = torch.empty(num_tokens, num_heads, num_segments, head_pad + 2, dtype=torch.float32, device=out.device)
     grid = (num_tokens // tiles.block_q + num_reqs, num_kv_heads, num_segments)
-    if attention_cuda.supports(query, key_cache, value_cache, num_tokens, num_reqs, max_query_len, sliding_window,
-                               softcap):  # RUNTIME_FP8_DECODE_CUDA=1: steps of decodes over an FP8 cache in CUDA
-        attention_cuda.decode_attention(query, key_cache, value_cache, out, partial if num_segments > 1 else None,
-                                        seq_lens, block_table, scale, num_segments)
-    else:
-        unified_attention_kernel[grid](
-            query, key_cache, value_cache, out, partial, block_table, seq_lens, query_start_loc,
-            float(scale), float(softcap or 0.0), int(sliding_window or 0), num_reqs,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-            block_table.stride(0),
-            NUM_QUERIES_PER_KV=num_heads // num_kv_heads,
-            HEAD_SIZE=head_size,
-            HEAD_PAD=head_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_Q=tiles.block_q,
-            BLOCK_M=tiles.block_m,
-            TILE_N=tiles.tile_n,
-            USE_WINDOW=sliding_window is not None,
-            USE_SOFTCAP=softcap is not None,
-            # float32 models get full-precision dots; TF32 would cost ~3 decimal digits.
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            UPCAST=query.dtype == torch.bfloat16 and interpreting() and not f16_dots,
-            F16_DOTS=f16_dots,
-            NUM_SEGMENTS=num_segments,
-            num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages,
-        )
+    unified_attention_kernel[grid](
+        query, key_cache, value_cache, out, partial, block_table, seq_lens, query_start_loc,
+        float(scale), float(softcap or 0.0), int(sliding_window or 0), num_reqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_table.stride(0),
+        NUM_QUERIES_PER_KV=num_heads // num_kv_heads,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=tiles.block_q,
+        BLOCK_M=tiles.block_m,
+        TILE_N=tiles.tile_n,
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=softcap is not None,
+        # float32 models get full-precision dots; TF32 would cost ~3 decimal digits.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        UPCAST=query.dtype == torch.bfloat16 and interpreting() and not f16_dots,
+        F16_DOTS=f16_dots,
+        NUM_SEGMENTS=num_segments,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
     if num_segments > 1:
         merge_segments_kernel[(num_tokens, num_heads)](
             partial, out, out.stride(0), out.stride(1),

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime_kernels import attention_cuda, cuda_launch, gemv_cuda
+from runtime_kernels import cuda_launch, gemv_cuda
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
@@ -52,17 +52,6 @@ def _compile_for_sm90_without_spills(tmp_path, source_name: str, instances: list
     assert len(compiled) == len(instances), result.stderr
     spills = [line for line in result.stderr.splitlines() if "spill" in line]
     assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), result.stderr
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on the PATH")
-def test_fp8_decode_attention_compiles_for_sm90_without_spills(tmp_path):
-    """Every query type, group and head size the CUDA FP8-cache decode attention is built for."""
-    instances = [(t, g, d) for t in attention_cuda.QUERY_TYPES.values() for g in attention_cuda.GROUPS
-                 for d in attention_cuda.HEAD_SIZES]
-    _compile_for_sm90_without_spills(tmp_path, "fp8_decode_attention.cu", [
-        f"template __global__ void fp8_decode_attention::decode<{t}, {g}, {d}>(const {t}*, const unsigned char*, "
-        f"const unsigned char*, {t}*, float*, const int*, const int*, float, int, int, int, int, long long, int, int, "
-        "long long, int, int, int, int);" for t, g, d in instances])
 
 
 def _cuda_header_dir() -> str | None:

@@ -160,21 +160,3 @@ def test_reference_matches_per_token_loop():
                 v = torch.stack([kv[1, blocks[p // 4], p % 4, h // 2] for p in keys])
                 weights = (torch.tanh(k @ query[row, h] * 0.25 / 2.0) * 2.0).softmax(0)
                 torch.testing.assert_close(ref[row, h], weights @ v, atol=1e-5, rtol=1e-5)
-
-
-def test_the_cuda_fp8_decode_kernel_takes_only_cuda_steps_of_decodes(device, monkeypatch):
-    """RUNTIME_FP8_DECODE_CUDA=1 (runtime_kernels.attention_cuda) changes nothing for steps it cannot take: here
-    tensors off a CUDA GPU, and on any device a prefill, a window or a 16-bit cache; they stay on the Triton kernel."""
-    from runtime_kernels import attention_cuda
-
-    monkeypatch.setattr(attention_cuda, "ENABLED", True)
-    query, kv, qsl, seq_lens, table, max_q = make_batch(DECODES, 8, 2, 64, 16, torch.bfloat16, device, seed=6)
-    fp8 = kv.to(torch.float8_e4m3fn)
-    n = query.shape[0]
-    if device != "cuda":
-        assert not attention_cuda.supports(query, fp8[0], fp8[1], n, n, 1, None, None)
-    assert not attention_cuda.supports(query, fp8[0], fp8[1], n + 1, n, 2, None, None)
-    assert not attention_cuda.supports(query, fp8[0], fp8[1], n, n, 1, 13, None)
-    assert not attention_cuda.supports(query, kv[0], kv[1], n, n, 1, None, None)
-    out, ref = run_both((query, fp8, qsl, seq_lens, table, max_q), 0.125)
-    torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
