@@ -37,11 +37,31 @@ def compile_attention(dtype, head, group, block_m, window, softcap, segments, ca
     constants = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_Q=block_m // group,
                      BLOCK_M=block_m, TILE_N=128 if f16_dots else 64, USE_WINDOW=window, USE_SOFTCAP=softcap,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, F16_DOTS=f16_dots,
-                     NUM_SEGMENTS=segments)
+                     NUM_SEGMENTS=segments, V_CONVERT_FIRST=False)
     compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype, cache), constants)
     if segments > 1:
         sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_o_tok": "i32", "stride_o_head": "i32"}
         compile_for_sm90(jit.merge_segments_kernel, sig, dict(HEAD_SIZE=head, HEAD_PAD=head, NUM_SEGMENTS=segments))
+
+
+def fp8_values_transposed_in_16_bits():
+    """With V_CONVERT_FIRST, the FP8 cache's value tile reaches the dot through 16-bit transposing ldmatrix loads,
+    not one byte a shared-memory load (LDS.U8) as without it. Compiled as a launch specializes it (pointers and
+    strides divisible by 16), W2's decode tiles; the SASS read by Triton's cuobjdump."""
+    from runtime_kernels.jit import attention as jit
+
+    signature = attention_signature("bf16", "fp8e4nv")
+    aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name.startswith("stride_") and name != "stride_table"]
+    constants = dict(NUM_QUERIES_PER_KV=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_Q=4, BLOCK_M=16, TILE_N=128,
+                     USE_WINDOW=False, USE_SOFTCAP=False, DOT_PRECISION="tf32", UPCAST=False, F16_DOTS=True, NUM_SEGMENTS=1)
+    sass = {}
+    for first in (False, True):
+        source = ASTSource(jit.unified_attention_kernel, {**signature, **dict.fromkeys(constants, "constexpr"),
+                                                          "V_CONVERT_FIRST": "constexpr"},
+                           {**constants, "V_CONVERT_FIRST": first}, {(i,): [["tt.divisibility", 16]] for i in aligned})
+        sass[first] = triton.compile(source, target=TARGET, options={"num_warps": 4, "num_stages": 3}).asm["sass"]
+    assert "LDS.U8" in sass[False], "the plain conversion no longer reads bytes from shared memory: V_CONVERT_FIRST may be moot"
+    assert "LDS.U8" not in sass[True] and "LDSM.16.MT88" in sass[True], "V_CONVERT_FIRST still reads FP8 values byte-wise"
 
 
 def compile_elementwise():
@@ -101,6 +121,7 @@ if __name__ == "__main__":
     compile_attention("bf16", 128, 4, 32, False, False, 4)  # speculative verification: 1 + k queries, split-KV
     compile_attention("fp32", 64, 3, 64, True, True, 1)
     compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
+    fp8_values_transposed_in_16_bits()
     compile_elementwise()
     compile_gemv()
     print("all kernels compiled for sm_90")
