@@ -47,7 +47,7 @@ def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
 
     Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step with two
     warps and three stages: the fastest in the H200 sweep of benchmarks/RESULTS.md, where
-    the conversion to float16, not memory, still bounds it.
+    not memory but reading the value tile a byte an instruction bounds it (see V_CONVERT_FIRST).
     """
     head_pad = next_power_of_2(max(head_size, 16))
     rows_needed = max_query_len * num_queries_per_kv
