@@ -45,23 +45,21 @@ def compile_attention(dtype, head, group, block_m, window, softcap, segments, ca
 
 
 def fp8_values_transposed_in_16_bits():
-    """With V_CONVERT_FIRST, the FP8 cache's value tile reaches the dot through 16-bit transposing ldmatrix loads,
-    not one byte a shared-memory load (LDS.U8) as without it. Compiled as a launch specializes it (pointers and
-    strides divisible by 16), W2's decode tiles; the SASS read by Triton's cuobjdump."""
+    """With V_CONVERT_FIRST, the FP8 cache's value tile reaches the dot through 16-bit transposing ldmatrix loads, with
+    no shared-memory load a byte (LDS.U8: what Triton 3.9 compiles without it, benchmarks/RESULTS.md, session 24).
+    Compiled as a launch specializes it (pointers and strides divisible by 16), W2's decode tiles; the SASS from
+    Triton's cuobjdump."""
     from runtime_kernels.jit import attention as jit
 
     signature = attention_signature("bf16", "fp8e4nv")
     aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name.startswith("stride_") and name != "stride_table"]
     constants = dict(NUM_QUERIES_PER_KV=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_Q=4, BLOCK_M=16, TILE_N=128,
-                     USE_WINDOW=False, USE_SOFTCAP=False, DOT_PRECISION="tf32", UPCAST=False, F16_DOTS=True, NUM_SEGMENTS=1)
-    sass = {}
-    for first in (False, True):
-        source = ASTSource(jit.unified_attention_kernel, {**signature, **dict.fromkeys(constants, "constexpr"),
-                                                          "V_CONVERT_FIRST": "constexpr"},
-                           {**constants, "V_CONVERT_FIRST": first}, {(i,): [["tt.divisibility", 16]] for i in aligned})
-        sass[first] = triton.compile(source, target=TARGET, options={"num_warps": 4, "num_stages": 3}).asm["sass"]
-    assert "LDS.U8" in sass[False], "the plain conversion no longer reads bytes from shared memory: V_CONVERT_FIRST may be moot"
-    assert "LDS.U8" not in sass[True] and "LDSM.16.MT88" in sass[True], "V_CONVERT_FIRST still reads FP8 values byte-wise"
+                     USE_WINDOW=False, USE_SOFTCAP=False, DOT_PRECISION="tf32", UPCAST=False, F16_DOTS=True, NUM_SEGMENTS=1,
+                     V_CONVERT_FIRST=True)
+    source = ASTSource(jit.unified_attention_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants,
+                       {(i,): [["tt.divisibility", 16]] for i in aligned})
+    sass = triton.compile(source, target=TARGET, options={"num_warps": 4, "num_stages": 3}).asm["sass"]
+    assert "LDS.U8" not in sass and "LDSM.16.MT88" in sass, "V_CONVERT_FIRST still reads FP8 values byte-wise"
 
 
 def compile_elementwise():
