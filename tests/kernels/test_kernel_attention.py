@@ -138,11 +138,13 @@ def test_fp8_cache(device, dtype, tol, requests):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_fp8_cache_softcap_and_split_kv(device):
-    """The float16 dots of an 8-bit cache keep the softcap (scale folded into the query) and split-KV merge."""
+@pytest.mark.parametrize("softcap", [5.0, None], ids=["softcap", "base-2 scores"])
+def test_fp8_cache_softcap_and_split_kv(device, softcap):
+    """The float16 dots of an 8-bit cache keep the softcap (scale folded into the query) and the split-KV merge;
+    without a softcap the scores are in base 2 and each segment stores its max back in natural units."""
     query, kv, qsl, seq_lens, table, max_q = make_batch(DECODES, 8, 2, 64, 16, torch.bfloat16, device, seed=5)
     kv = kv.to(torch.float8_e4m3fn)
-    out, ref = run_both((query, kv, qsl, seq_lens, table, max_q), 0.3, softcap=5.0, num_segments=4)
+    out, ref = run_both((query, kv, qsl, seq_lens, table, max_q), 0.3, softcap=softcap, num_segments=4)
     torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
 
 

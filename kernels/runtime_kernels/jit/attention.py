@@ -25,7 +25,10 @@ Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong (compiled kernels keep 
 not the query's dtype: FP8 -> float16 is a single conversion instruction per pair of
 values, FP8 -> bfloat16 is not, and that conversion, not memory, bounded decode. The
 softmax scale is folded into the query first; float16 has more mantissa than bfloat16,
-so the query loses nothing but values below float16's normal range.
+so the query loses nothing but values below float16's normal range. Without a softcap,
+log2(e) is folded in too: the scores come out in base-2 units and the softmax takes
+``exp2`` of them, one multiply a score fewer (the split-KV rows store the max back in
+natural units for the merge).
 
 ``V_CONVERT_FIRST`` (e4m3 values on a GPU, ``RUNTIME_FP8_ATTENTION_V_CONVERT_FIRST=1``): the value tile
 is the second operand of ``p @ v`` with its reduction (keys) across rows, so the dot wants it transposed.
@@ -136,8 +139,10 @@ def unified_attention_kernel(
     q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_PAD]
     if UPCAST:
         q = q.to(tl.float32)
+    # LOG2: scores in base-2 units (F16_DOTS without a softcap), so that exp2 needs no multiply a score
+    LOG2: tl.constexpr = F16_DOTS and not USE_SOFTCAP
     if F16_DOTS:  # fold the scale into the query, whose magnitude then stays far inside float16's range
-        q = (q.to(tl.float32) * scale).to(tl.float16)
+        q = (q.to(tl.float32) * (scale * 1.4426950408889634 if LOG2 else scale)).to(tl.float16)
         scale = 1.0
 
     seq_len = tl.load(seq_lens_ptr + req)
@@ -187,8 +192,12 @@ def unified_attention_kernel(
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
+        if LOG2:
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+        else:
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -203,7 +212,7 @@ def unified_attention_kernel(
         row = ((q_start + q_row).to(tl.int64) * num_heads + head) * NUM_SEGMENTS + tl.program_id(2)
         base = partial_ptr + row * (HEAD_PAD + 2)
         tl.store(base[:, None] + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(base + HEAD_PAD, m_i, mask=row_ok)
+        tl.store(base + HEAD_PAD, m_i * 0.6931471805599453 if LOG2 else m_i, mask=row_ok)  # the merge's natural units
         tl.store(base + HEAD_PAD + 1, l_i, mask=row_ok)
 
 
