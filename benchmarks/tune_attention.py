@@ -38,12 +38,11 @@ def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1
               layout="NHD", block_size=16):
     blocks_per_req = -(-context // block_size)
     num_blocks = num_reqs * blocks_per_req + 1
-    if layout == "HND":  # each head's slots of a block contiguous in memory, seen through the kernels' strides
-        kv = torch.randn(2, num_blocks, num_kv_heads, block_size, head_size, dtype=torch.bfloat16, device="cuda")
-        kv = kv.to(cache_dtype).transpose(2, 3)
-    else:
-        kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, dtype=torch.bfloat16, device="cuda")
-        kv = kv.to(cache_dtype)
+    # HND: each head's slots of a block contiguous in memory, seen through the kernels' strides
+    inner = (num_kv_heads, block_size) if layout == "HND" else (block_size, num_kv_heads)
+    kv = torch.randn(2, num_blocks, *inner, head_size, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
+    if layout == "HND":
+        kv = kv.transpose(2, 3)
     perm = torch.randperm(num_blocks - 1, device="cuda")[: num_reqs * blocks_per_req] + 1
     table = perm.view(num_reqs, blocks_per_req).to(torch.int32)
     q = torch.randn(num_reqs * query_len, num_heads, head_size, dtype=torch.bfloat16, device="cuda")

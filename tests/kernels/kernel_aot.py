@@ -15,10 +15,15 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_sm90(fn, signature: dict, constants: dict, num_warps: int = 4) -> None:
+def compile_for_sm90(fn, signature: dict, constants: dict, num_warps: int = 4, num_stages: int | None = None,
+                     aligned: tuple[str, ...] = ()):
+    """The compiled kernel; ``aligned`` names the arguments a launch would specialize as divisible by 16."""
     signature = {**signature, **{name: "constexpr" for name in constants}}
-    kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGET, options={"num_warps": num_warps})
+    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
+    options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
+    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=TARGET, options=options)
     assert kernel.asm["cubin"]
+    return kernel
 
 
 def attention_signature(dtype: str, cache: str | None = None) -> dict:
@@ -30,35 +35,33 @@ def attention_signature(dtype: str, cache: str | None = None) -> dict:
     return sig | {f"stride_{s}": "i32" for s in strides}
 
 
-def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None):
+def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None, v_convert_first=False,
+                      as_launched=False):
+    """The attention kernel compiled (and its merge kernel with segments); ``as_launched``: the pointers and
+    strides divisible by 16 and three stages, as W2's decode launches specialize it."""
     from runtime_kernels.jit import attention as jit
 
     f16_dots = cache == "fp8e4nv"
     constants = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_Q=block_m // group,
                      BLOCK_M=block_m, TILE_N=128 if f16_dots else 64, USE_WINDOW=window, USE_SOFTCAP=softcap,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, F16_DOTS=f16_dots,
-                     NUM_SEGMENTS=segments, V_CONVERT_FIRST=False)
-    compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype, cache), constants)
+                     NUM_SEGMENTS=segments, V_CONVERT_FIRST=v_convert_first)
+    signature = attention_signature(dtype, cache)
+    aligned = tuple(n for n in signature if n.endswith("_ptr") or n.startswith("stride_") and n != "stride_table")
+    kernel = compile_for_sm90(jit.unified_attention_kernel, signature, constants, num_stages=3 if as_launched else None,
+                              aligned=aligned if as_launched else ())
     if segments > 1:
         sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_o_tok": "i32", "stride_o_head": "i32"}
         compile_for_sm90(jit.merge_segments_kernel, sig, dict(HEAD_SIZE=head, HEAD_PAD=head, NUM_SEGMENTS=segments))
+    return kernel
 
 
 def fp8_values_transposed_in_16_bits():
     """With V_CONVERT_FIRST, the FP8 cache's value tile reaches the dot through 16-bit transposing ldmatrix loads, with
-    no shared-memory load a byte (LDS.U8: what Triton 3.9 compiles without it, benchmarks/RESULTS.md, session 24).
-    Compiled as a launch specializes it (pointers and strides divisible by 16), W2's decode tiles; the SASS from
-    Triton's cuobjdump."""
-    from runtime_kernels.jit import attention as jit
-
-    signature = attention_signature("bf16", "fp8e4nv")
-    aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name.startswith("stride_") and name != "stride_table"]
-    constants = dict(NUM_QUERIES_PER_KV=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_Q=4, BLOCK_M=16, TILE_N=128,
-                     USE_WINDOW=False, USE_SOFTCAP=False, DOT_PRECISION="tf32", UPCAST=False, F16_DOTS=True, NUM_SEGMENTS=1,
-                     V_CONVERT_FIRST=True)
-    source = ASTSource(jit.unified_attention_kernel, {**signature, **dict.fromkeys(constants, "constexpr")}, constants,
-                       {(i,): [["tt.divisibility", 16]] for i in aligned})
-    sass = triton.compile(source, target=TARGET, options={"num_warps": 4, "num_stages": 3}).asm["sass"]
+    no shared-memory load a byte (LDS.U8: what Triton 3.9 compiles without it, benchmarks/RESULTS.md, session 24):
+    W2's decode tiles compiled as launched; the SASS from Triton's cuobjdump."""
+    kernel = compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", v_convert_first=True, as_launched=True)
+    sass = kernel.asm["sass"]
     assert "LDS.U8" not in sass and "LDSM.16.MT88" in sass, "V_CONVERT_FIRST still reads FP8 values byte-wise"
 
 

@@ -61,9 +61,6 @@ __device__ __forceinline__ void load_streaming(unsigned int (&v)[4], const unsig
       "{.reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];}"
       : "+r"(v[0]), "+r"(v[1]), "+r"(v[2]), "+r"(v[3]) : "l"(address), "r"(static_cast<int>(on)));
 }
-__device__ __forceinline__ void load_streaming(uint4& v, const void* address, bool on) {
-  load_streaming(*reinterpret_cast<unsigned int(*)[4]>(&v), static_cast<const unsigned int*>(address), on);
-}
 __device__ __forceinline__ void load_streaming(unsigned int (&v)[2], const unsigned int* address, bool on) {
   asm volatile("{.reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];}"
                : "+r"(v[0]), "+r"(v[1]) : "l"(address), "r"(static_cast<int>(on)));
