@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.envs import env_flag
 
 from runtime_kernels.utils import check_last_dim_contiguous, interpreting, next_power_of_2, require_triton
 
@@ -25,9 +24,6 @@ FP8_E4M3 = getattr(torch, "float8_e4m3fn", None)
 MAX_HEAD_SIZE = 512
 MAX_SEGMENTS = 16
 MIN_TILES_PER_SEGMENT = 4
-# FP8 e4m3 values widened to float16 before their tile is transposed for the dot (jit.attention's docstring);
-# off until measured on a GPU.
-V_CONVERT_FIRST = env_flag("RUNTIME_FP8_ATTENTION_V_CONVERT_FIRST", False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +42,7 @@ def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     verification), larger ones when prefill chunks are present.
 
     Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step with two
-    warps and three stages: the fastest in the H200 sweep of benchmarks/RESULTS.md, where
-    not memory but reading the value tile a byte an instruction bounds it (see V_CONVERT_FIRST).
+    warps and three stages: the fastest in the H200 sweeps of benchmarks/RESULTS.md.
     """
     head_pad = next_power_of_2(max(head_size, 16))
     rows_needed = max_query_len * num_queries_per_kv
@@ -151,7 +146,6 @@ def unified_attention(
         UPCAST=query.dtype == torch.bfloat16 and interpreting() and not f16_dots,
         F16_DOTS=f16_dots,
         NUM_SEGMENTS=num_segments,
-        V_CONVERT_FIRST=V_CONVERT_FIRST and f16_dots and value_cache.dtype == FP8_E4M3 and not interpreting(),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -15,15 +15,10 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_for_sm90(fn, signature: dict, constants: dict, num_warps: int = 4, num_stages: int | None = None,
-                     aligned: tuple[str, ...] = ()):
-    """The compiled kernel; ``aligned`` names the arguments a launch would specialize as divisible by 16."""
+def compile_for_sm90(fn, signature: dict, constants: dict, num_warps: int = 4) -> None:
     signature = {**signature, **{name: "constexpr" for name in constants}}
-    attrs = {(list(signature).index(name),): [["tt.divisibility", 16]] for name in aligned}
-    options = {"num_warps": num_warps} | ({"num_stages": num_stages} if num_stages else {})
-    kernel = triton.compile(ASTSource(fn, signature, constants, attrs), target=TARGET, options=options)
+    kernel = triton.compile(ASTSource(fn, signature, constants), target=TARGET, options={"num_warps": num_warps})
     assert kernel.asm["cubin"]
-    return kernel
 
 
 def attention_signature(dtype: str, cache: str | None = None) -> dict:
@@ -35,34 +30,18 @@ def attention_signature(dtype: str, cache: str | None = None) -> dict:
     return sig | {f"stride_{s}": "i32" for s in strides}
 
 
-def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None, v_convert_first=False,
-                      as_launched=False):
-    """The attention kernel compiled (and its merge kernel with segments); ``as_launched``: the pointers and
-    strides divisible by 16 and three stages, as W2's decode launches specialize it."""
+def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None):
     from runtime_kernels.jit import attention as jit
 
     f16_dots = cache == "fp8e4nv"
     constants = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_Q=block_m // group,
                      BLOCK_M=block_m, TILE_N=128 if f16_dots else 64, USE_WINDOW=window, USE_SOFTCAP=softcap,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, F16_DOTS=f16_dots,
-                     NUM_SEGMENTS=segments, V_CONVERT_FIRST=v_convert_first)
-    signature = attention_signature(dtype, cache)
-    aligned = tuple(n for n in signature if n.endswith("_ptr") or n.startswith("stride_") and n != "stride_table")
-    kernel = compile_for_sm90(jit.unified_attention_kernel, signature, constants, num_stages=3 if as_launched else None,
-                              aligned=aligned if as_launched else ())
+                     NUM_SEGMENTS=segments)
+    compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype, cache), constants)
     if segments > 1:
         sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_o_tok": "i32", "stride_o_head": "i32"}
         compile_for_sm90(jit.merge_segments_kernel, sig, dict(HEAD_SIZE=head, HEAD_PAD=head, NUM_SEGMENTS=segments))
-    return kernel
-
-
-def fp8_values_transposed_in_16_bits():
-    """With V_CONVERT_FIRST, the FP8 cache's value tile reaches the dot through 16-bit transposing ldmatrix loads, with
-    no shared-memory load a byte (LDS.U8: what Triton 3.9 compiles without it, benchmarks/RESULTS.md, session 24):
-    W2's decode tiles compiled as launched; the SASS from Triton's cuobjdump."""
-    kernel = compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", v_convert_first=True, as_launched=True)
-    sass = kernel.asm["sass"]
-    assert "LDS.U8" not in sass and "LDSM.16.MT88" in sass, "V_CONVERT_FIRST still reads FP8 values byte-wise"
 
 
 def compile_elementwise():
@@ -122,7 +101,6 @@ if __name__ == "__main__":
     compile_attention("bf16", 128, 4, 32, False, False, 4)  # speculative verification: 1 + k queries, split-KV
     compile_attention("fp32", 64, 3, 64, True, True, 1)
     compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
-    fp8_values_transposed_in_16_bits()
     compile_elementwise()
     compile_gemv()
     print("all kernels compiled for sm_90")

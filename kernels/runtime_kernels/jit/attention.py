@@ -29,13 +29,6 @@ so the query loses nothing but values below float16's normal range. Without a so
 log2(e) is folded in too: the scores come out in base-2 units and the softmax takes
 ``exp2`` of them, one multiply a score fewer (the split-KV rows store the max back in
 natural units for the merge).
-
-``V_CONVERT_FIRST`` (e4m3 values on a GPU, ``RUNTIME_FP8_ATTENTION_V_CONVERT_FIRST=1``): the value tile
-is the second operand of ``p @ v`` with its reduction (keys) across rows, so the dot wants it transposed.
-Left to itself the compiler moves that transposition ahead of the FP8 -> float16 conversion, where it
-reads the 8-bit codes from shared memory one byte an instruction (``LDS.U8``; no 8-bit ``ldmatrix``
-transposes on sm_90); converting first, through an opaque conversion, makes it move 16-bit values with
-16-byte stores and transposing ``ldmatrix`` loads (the compiled kernel's instructions are tested).
 """
 
 from __future__ import annotations
@@ -63,21 +56,6 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 def _tanh(x):
     # tanh from exp keeps the kernel free of libdevice (and runs in the interpreter).
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
-def _e4m3_to_f16(codes):
-    """FP8 e4m3 codes (uint8) as float16, two pairs a 32-bit word by ``cvt.rn.f16x2.e4m3x2`` (exact): what
-    ``codes.to(tl.float16)`` computes, but not pure to the compiler, so that it cannot move a layout change of the
-    tensor ahead of the conversion (below)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
@@ -118,7 +96,6 @@ def unified_attention_kernel(
     UPCAST: tl.constexpr,
     F16_DOTS: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
-    V_CONVERT_FIRST: tl.constexpr = False,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -177,10 +154,7 @@ def unified_attention_kernel(
         # The query's dtype: float32 under UPCAST; float16 from an FP8 cache under F16_DOTS
         # (one hardware instruction per two values, where bf16 takes a detour through float32).
         k = k.to(q.dtype)
-        if V_CONVERT_FIRST:
-            v = _e4m3_to_f16(v.to(tl.uint8, bitcast=True))
-        else:
-            v = v.to(q.dtype)
+        v = v.to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] float32
         if USE_SOFTCAP:

@@ -190,7 +190,7 @@ def test_fp8_layers_take_the_op_before_them_with_the_quantization(rows, monkeypa
     from runtime_kernels.activation import silu_and_mul
     from runtime_kernels.norm import fused_add_rms_norm
 
-    monkeypatch.setattr(gpu, "FUSED_QUANT", True)  # RUNTIME_FP8_FUSED_QUANT=1
+    monkeypatch.setattr(gpu, "FUSED_QUANT", True)  # the default
     layer = make_layer(FP8_CHANNEL, 256, 512, "cuda")
     kernel = select_kernel(FP8_CHANNEL, torch.device("cuda"))
     g = torch.Generator().manual_seed(rows)
@@ -209,5 +209,5 @@ def test_fp8_layers_take_the_op_before_them_with_the_quantization(rows, monkeypa
     assert torch.equal(fused_silu, gpu.fp8_scaled_mm(layer, FP8_CHANNEL, silu_and_mul(gate_up), bias))
     static = make_layer(FP8_STATIC, 256, 512, "cuda")
     assert kernel.after_rms_norm(static, FP8_STATIC, x, residual, weight, 1e-6, False, None) is None
-    monkeypatch.setattr(gpu, "FUSED_QUANT", False)  # the default: the ops apart
+    monkeypatch.setattr(gpu, "FUSED_QUANT", False)  # RUNTIME_FP8_FUSED_QUANT=0: the ops apart
     assert kernel.after_rms_norm(layer, FP8_CHANNEL, x, residual, weight, 1e-6, False, bias) is None
