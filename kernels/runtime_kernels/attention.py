@@ -124,7 +124,8 @@ def unified_attention(
     partial = out  # unused without split-KV
     if num_segments > 1:
         partial = torch.empty(num_tokens, num_heads, num_segments, head_pad + 2, dtype=torch.float32, device=out.device)
-    grid = (num_tokens // tiles.block_q + num_reqs, num_kv_heads, num_segments)
+    decode = max_query_len == 1  # a program per request (the kernel's DECODE)
+    grid = (num_reqs if decode else num_tokens // tiles.block_q + num_reqs, num_kv_heads, num_segments)
     unified_attention_kernel[grid](
         query, key_cache, value_cache, out, partial, block_table, seq_lens, query_start_loc,
         float(scale), float(softcap or 0.0), int(sliding_window or 0), num_reqs,
@@ -146,6 +147,7 @@ def unified_attention(
         UPCAST=query.dtype == torch.bfloat16 and interpreting() and not f16_dots,
         F16_DOTS=f16_dots,
         NUM_SEGMENTS=num_segments,
+        DECODE=decode,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

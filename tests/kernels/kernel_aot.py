@@ -30,14 +30,14 @@ def attention_signature(dtype: str, cache: str | None = None) -> dict:
     return sig | {f"stride_{s}": "i32" for s in strides}
 
 
-def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None):
+def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None, decode=False):
     from runtime_kernels.jit import attention as jit
 
     f16_dots = cache == "fp8e4nv"
     constants = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_Q=block_m // group,
                      BLOCK_M=block_m, TILE_N=128 if f16_dots else 64, USE_WINDOW=window, USE_SOFTCAP=softcap,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, F16_DOTS=f16_dots,
-                     NUM_SEGMENTS=segments)
+                     NUM_SEGMENTS=segments, DECODE=decode)
     compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype, cache), constants)
     if segments > 1:
         sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_o_tok": "i32", "stride_o_head": "i32"}
@@ -97,10 +97,12 @@ def compile_gemv():
 
 
 if __name__ == "__main__":
-    compile_attention("bf16", 128, 2, 16, False, False, 8)
+    compile_attention("bf16", 128, 2, 16, False, False, 8, decode=True)
+    compile_attention("bf16", 128, 4, 16, True, False, 1, decode=True)  # decode with a window
     compile_attention("bf16", 128, 4, 32, False, False, 4)  # speculative verification: 1 + k queries, split-KV
     compile_attention("fp32", 64, 3, 64, True, True, 1)
     compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
+    compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", decode=True)  # W2's FP8 decode
     compile_elementwise()
     compile_gemv()
     print("all kernels compiled for sm_90")

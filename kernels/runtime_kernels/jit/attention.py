@@ -11,7 +11,10 @@ Query blocks are numbered without a host-side table: request ``r`` owns the bloc
 ``query_start_loc[r] // BLOCK_Q + r`` onwards (``cdiv(q_len, BLOCK_Q)`` of them). These
 ranges never overlap, so ``num_tokens // BLOCK_Q + num_reqs`` programs cover every
 request; a program finds its request by binary search and exits when its block is past
-the request's queries.
+the request's queries. ``DECODE`` (no request has more than one query this step) skips
+both: program ``r`` is request ``r``'s, and its one query, the request's last position,
+sees exactly the keys of ``[kv_begin, seq_len)``, so the tile's key mask is the causal
+(and window) mask too, with no comparison a score.
 
 Split-KV: with ``NUM_SEGMENTS > 1`` (decode batches too small to fill the GPU) a third
 grid axis cuts each request's key range into segments; each program stores its
@@ -96,13 +99,17 @@ def unified_attention_kernel(
     UPCAST: tl.constexpr,
     F16_DOTS: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    DECODE: tl.constexpr = False,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
-    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    if DECODE:
+        req = q_block
+    else:
+        req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    local_block = q_block - (q_start // BLOCK_Q + req)
+    local_block = 0 if DECODE else q_block - (q_start // BLOCK_Q + req)
     if local_block * BLOCK_Q >= q_len:
         return
 
@@ -159,10 +166,13 @@ def unified_attention_kernel(
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE_N] float32
         if USE_SOFTCAP:
             s = softcap * _tanh(s / softcap)
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-        if USE_WINDOW:
-            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
+        if DECODE:  # kv_ok is the one query's causal and window mask
+            s = tl.where(kv_ok[None, :], s, float("-inf"))
+        else:
+            visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+            if USE_WINDOW:
+                visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
