@@ -96,8 +96,10 @@ def unified_attention(
 ) -> torch.Tensor:
     """Attention of every scheduled token over its request's paged keys; returns ``out``.
 
-    ``max_seq_len`` lets small decode batches split each request's keys over several
-    programs (``num_segments``, a power of two, overrides the choice).
+    ``max_query_len`` bounds every request's queries this step; at 1 the launch takes one
+    program per request and KV head, which serves only one query a request. ``max_seq_len``
+    lets small decode batches split each request's keys over several programs
+    (``num_segments``, a power of two, overrides the choice).
     """
     require_triton("unified_attention")
     from runtime_kernels.jit.attention import merge_segments_kernel, unified_attention_kernel
