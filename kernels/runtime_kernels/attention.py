@@ -17,10 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-
 from runtime_kernels.utils import check_last_dim_contiguous, interpreting, next_power_of_2, require_triton
 
-FP8_E4M3 = getattr(torch, "float8_e4m3fn", None)
 MAX_HEAD_SIZE = 512
 MAX_SEGMENTS = 16
 MIN_TILES_PER_SEGMENT = 4
