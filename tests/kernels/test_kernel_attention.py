@@ -80,13 +80,14 @@ def test_decode_only_batch_uses_small_tiles(device):
 
 @pytest.mark.parametrize(
     "window, softcap, num_segments",
-    [(None, None, 1), (5, None, 1), (3, 20.0, 2), (40, None, 4)],
-    ids=["causal", "window-5", "window-3-softcap-split", "window-40-split"],
+    [(None, None, 1), (5, None, 1), (3, 20.0, 2), (40, None, 4), (150, None, 1), (100, None, 2)],
+    ids=["causal", "window-5", "window-3-softcap-split", "window-40-split", "window-150", "window-100-split"],
 )
 def test_decode_batch_one_program_per_request(device, window, softcap, num_segments):
     """max_query_len 1 launches a program per request, whose tile key mask is the causal (and window) mask of its
-    one query; a request with no query this step (as a padded graph row) writes nothing."""
-    requests = [(0, 1), (9, 1), (10, 0), (31, 1), (64, 1), (2, 1)]
+    one query; a request with no query this step (as a padded graph row) writes nothing. 128 and 320 keys end on
+    a 64-key tile's edge, and a long window starts inside a tile with whole tiles after it."""
+    requests = [(0, 1), (9, 1), (10, 0), (31, 1), (64, 1), (2, 1), (127, 1), (300, 1), (319, 1)]
     batch = make_batch(requests, 4, 2, 64, 16, torch.float32, device, seed=8)
     out, ref = run_both(batch, 0.125, window, softcap, num_segments=num_segments)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
