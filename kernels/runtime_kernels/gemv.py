@@ -9,18 +9,24 @@ a single row.
 ``silu_and_mul_gemv`` and ``rms_norm_gemv`` also compute the gated activation or the
 (fused-add) RMSNorm that feeds the product, as they read its input, and ``rms_norm_gemv``
 with ``gated`` the activation of a fused gate/up projection's product as it stores it, so that
-a decode step of one sequence launches neither of those small kernels.
+a decode step of one sequence launches neither of those small kernels. On a GPU they measured slower
+than the small launches (each program computes the prologue again), so there the norm and the activation before
+the product run apart unless
+the CUDA GEMV takes them (see :func:`rms_norm_gemv`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from runtime.envs import env_flag
 
 from runtime_kernels.utils import cdiv, check_last_dim_contiguous, interpreting, require_triton
 
 INTERPRETER_BLOCK_N, INTERPRETER_BLOCK_K = 4, 64
 SILU_AND_MUL, RMS_NORM = 1, 2  # the kernel's PROLOGUE
+# 16-bit weights on a GPU: the norm / SiLU in the Triton gemv's programs rather than apart (slower; see rms_norm_gemv)
+FUSED_PROLOGUES = env_flag("RUNTIME_GEMV_FUSED_PROLOGUES", False)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,8 +44,8 @@ def silu_and_mul_gemv(
 ) -> torch.Tensor:
     """``gemv(silu_and_mul(x), weight, bias, scale)`` in one launch: ``x`` [1, 2 * K] or [2 * K] =
     ``[gate | up]``, ``weight`` [N, K]; ``silu(gate) * up`` is rounded to ``x.dtype`` as
-    :func:`runtime_kernels.activation.silu_and_mul` rounds it (two launches for 8-bit weights on a GPU,
-    as :func:`rms_norm_gemv`'s norm)."""
+    :func:`runtime_kernels.activation.silu_and_mul` rounds it (two launches on a GPU, as
+    :func:`rms_norm_gemv`'s norm)."""
     vec = _one_row("silu_and_mul_gemv", x, 2 * weight.shape[1])
     if _prologue_apart(vec, weight, bias, scale):
         from runtime_kernels.activation import silu_and_mul
@@ -68,9 +74,10 @@ def rms_norm_gemv(
     ``scale`` [2 * N] likewise) and the first result is ``silu_and_mul`` of the product, [..., N]: each
     product rounded to ``x.dtype``, then ``silu(gate) * up`` rounded as :func:`runtime_kernels.activation.silu_and_mul`.
 
-    On a GPU, 8-bit weights take the norm as a launch of its own before the gemv (the Triton gemv's
-    programs each compute the norm, which for 1-byte rows costs more than the launch it saves; W3 on an
-    H100: 3.63 -> 3.92 ms, benchmarks/RESULTS.md, session 15), unless the CUDA GEMV runs them.
+    On a GPU the norm is a launch of its own before the gemv, unless the CUDA GEMV runs them: the Triton
+    gemv's programs each compute the norm, which costs more than the launch it saves (W3 on an H100 with
+    8-bit weights: 3.63 -> 3.92 ms, session 15; on an H200 in bf16: 4.20 -> 4.43 ms, session 27;
+    benchmarks/RESULTS.md). ``RUNTIME_GEMV_FUSED_PROLOGUES=1`` fuses it for 16-bit weights again.
     """
     k = weight.shape[1]
     vec = _one_row("rms_norm_gemv", x, k)
@@ -101,9 +108,8 @@ def rms_norm_gemv(
 
 def _prologue_apart(vec, weight, bias, scale, gated: bool = False) -> bool:
     """Whether the op before a one-row gemv of ``weight`` (the norm, the activation) runs as a launch of
-    its own: for 8-bit weights on a GPU, unless the CUDA GEMV takes the call with its prologues (see
-    :func:`rms_norm_gemv`)."""
-    if weight.element_size() != 1 or vec.device.type != "cuda" or interpreting():
+    its own: on a GPU, unless the CUDA GEMV takes the call with its prologues (see :func:`rms_norm_gemv`)."""
+    if vec.device.type != "cuda" or interpreting() or (FUSED_PROLOGUES and weight.element_size() != 1):
         return False
     return gated or not _cuda_prologues() or not _cuda_runs(vec, weight, bias, scale, {})
 

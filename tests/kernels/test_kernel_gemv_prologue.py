@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import runtime_kernels.gemv as gemv_module  # noqa: E402
 from runtime_kernels.activation import silu_and_mul  # noqa: E402
 from runtime_kernels.gemv import (  # noqa: E402
     gemv,
@@ -199,9 +200,12 @@ def test_shapes_are_checked(device):
 
 # Llama-3.1-8B's layers on the GPU (compiled, autotuned): q/k/v after the input norm
 # (K=4096 -> N=6144) and down after gate/up (2 x 14336 -> 4096), bfloat16 and FP8 weights.
+# ``fused``: 16-bit weights' norm / SiLU inside the Triton gemv (RUNTIME_GEMV_FUSED_PROLOGUES=1) rather than apart.
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_llama_8b_shapes_on_the_gpu(fp8):
+def test_llama_8b_shapes_on_the_gpu(fp8, fused, monkeypatch):
+    monkeypatch.setattr(gemv_module, "FUSED_PROLOGUES", fused)
     dtype = torch.bfloat16
     x, w, b, scale = make(4096, 14336, dtype, "cuda", in_features=2 * 14336, bias=True, fp8=fp8, seed=1)
     out = silu_and_mul_gemv(x, w, b, scale)
