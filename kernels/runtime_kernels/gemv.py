@@ -9,10 +9,9 @@ a single row.
 ``silu_and_mul_gemv`` and ``rms_norm_gemv`` also compute the gated activation or the
 (fused-add) RMSNorm that feeds the product, as they read its input, and ``rms_norm_gemv``
 with ``gated`` the activation of a fused gate/up projection's product as it stores it, so that
-a decode step of one sequence launches neither of those small kernels. On a GPU they measured slower
-than the small launches (each program computes the prologue again), so there the norm and the activation before
-the product run apart unless
-the CUDA GEMV takes them (see :func:`rms_norm_gemv`).
+a decode step of one sequence launches neither of those small kernels. On a GPU that measured slower
+than the small launches (each program computes the prologue again), so there the norm and the
+activation before the product run apart unless the CUDA GEMV takes them (see :func:`rms_norm_gemv`).
 """
 
 from __future__ import annotations
@@ -75,9 +74,10 @@ def rms_norm_gemv(
     product rounded to ``x.dtype``, then ``silu(gate) * up`` rounded as :func:`runtime_kernels.activation.silu_and_mul`.
 
     On a GPU the norm is a launch of its own before the gemv, unless the CUDA GEMV runs them: the Triton
-    gemv's programs each compute the norm, which costs more than the launch it saves (W3 on an H100 with
-    8-bit weights: 3.63 -> 3.92 ms, session 15; on an H200 in bf16: 4.20 -> 4.43 ms, session 27;
-    benchmarks/RESULTS.md). ``RUNTIME_GEMV_FUSED_PROLOGUES=1`` fuses it for 16-bit weights again.
+    gemv's programs each compute the norm, which costs more than the launch it saves (W3 a token, apart
+    against fused: 3.63 against 3.92 ms with 8-bit weights on an H100, session 15; 4.20 against 4.43 ms in
+    bf16 on an H200, session 27; benchmarks/RESULTS.md). ``RUNTIME_GEMV_FUSED_PROLOGUES=1`` fuses it for
+    16-bit weights again.
     """
     k = weight.shape[1]
     vec = _one_row("rms_norm_gemv", x, k)
