@@ -1,4 +1,4 @@
-"""Matrix-vector product for batch-1 decode steps, with the op before it fused in, and references.
+"""Matrix-vector product for batch-1 decode steps, with the op before it fused in or not, and references.
 
 ``gemv(x, weight, bias)`` computes ``F.linear(x, weight, bias)`` for ``x`` of one row
 (``[1, K]`` or ``[K]``), accumulating in float32. A decode step of one sequence reads

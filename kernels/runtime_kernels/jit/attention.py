@@ -27,8 +27,9 @@ Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong (compiled kernels keep 
 ``F16_DOTS`` (an 8-bit cache under 16-bit queries) widens keys and values to float16,
 not the query's dtype: FP8 -> float16 is a single conversion instruction per pair of
 values, FP8 -> bfloat16 is not (the bfloat16 route held the first FP8 decode kernel at
-~2.25 TB/s). What bounds the FP8 decode now is neither the conversion nor instruction
-issue: loops with fewer instructions measured slower (benchmarks/RESULTS.md). The
+~2.25 TB/s). What bounds the FP8 decode now is occupancy: Nsight Compute on an H200 finds
+8 warps an SM (255 registers and ~41 KiB of shared memory a program), each issuing half the
+time and waiting on its next tile the rest (benchmarks/RESULTS.md, session 27). The
 softmax scale is folded into the query first; float16 has more mantissa than bfloat16,
 so the query loses nothing but values below float16's normal range. Without a softcap,
 log2(e) is folded in too: the scores come out in base-2 units and the softmax takes
