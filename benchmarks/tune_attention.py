@@ -8,7 +8,9 @@ cases) or FLOP rate (prefill cases, causal) next to the current default.
     python3 benchmarks/tune_attention.py [--block-size 32] [--layout HND]
 
 ``--layout HND`` stores each block's slots head by head (the kernel reads it through its strides), to see
-whether the engine's slot-major layout costs bandwidth.
+whether the engine's slot-major layout costs bandwidth; ``--layout slot-minor-values`` stores the values of
+each block as ``[kv heads, head, slots]`` (``runtime_kernels.kv_cache.slot_minor``, what
+what the engine does to an 8-bit cache unless ``RUNTIME_FP8_V_SLOT_MINOR=0``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0")
 import torch  # noqa: E402
 
 import runtime_kernels.attention as attn  # noqa: E402
+from runtime_kernels.kv_cache import slot_minor  # noqa: E402
 from cuda_timing import cuda_ms  # noqa: E402
 
 CASES = {  # label: (num_reqs, query tokens per request, context, num_heads, num_kv_heads, head_size, cache dtype)
@@ -64,8 +67,9 @@ def main() -> None:
     parser.add_argument("--tile-n", default="32,64,128,256")
     parser.add_argument("--warps", default="2,4,8")
     parser.add_argument("--stages", default="1,2,3")
-    parser.add_argument("--layout", choices=("NHD", "HND"), default="NHD",
-                        help="the cache's order within a block: slots then heads (the engine's), or heads then slots")
+    parser.add_argument("--layout", choices=("NHD", "HND", "slot-minor-values"), default="NHD",
+                        help="the cache's order within a block: slots then heads (the engine's), heads then slots, "
+                             "or the values' slots last")
     parser.add_argument("--block-size", type=int, default=16, help="cache slots a block (the engine's default: 16)")
     args = parser.parse_args()
     default_tiles = attn.attention_tiles
@@ -74,11 +78,15 @@ def main() -> None:
         q, kv, table, qsl, seq_lens, kv_bytes = make_case(num_reqs, context, heads, kv_heads, head, query_len, cache_dtype,
                                                            args.layout, args.block_size)
         out = torch.empty_like(q)
+        values = kv[1]
+        if args.layout == "slot-minor-values":
+            values = slot_minor(torch.empty_like(kv[1]))
+            values.copy_(kv[1])
         # causal prefill from position 0: q_len * (q_len + 1) / 2 scores per head, 4 * head FLOPs each
         flops = num_reqs * heads * query_len * (query_len + 1) // 2 * 4 * head
 
         def run(segments=None):
-            attn.unified_attention(q, kv[0], kv[1], out, qsl, seq_lens, table, query_len, head**-0.5, max_seq_len=context,
+            attn.unified_attention(q, kv[0], values, out, qsl, seq_lens, table, query_len, head**-0.5, max_seq_len=context,
                                    num_segments=segments)
 
         def rate(ms):
@@ -90,9 +98,9 @@ def main() -> None:
         for block_m, tile_n, warps, stages, segments in itertools.product(
             block_ms, ints(args.tile_n), ints(args.warps), ints(args.stages), segment_options
         ):
-            def tiles(max_query_len, group, head_size, cache_bytes=2, block_m=block_m, tile_n=tile_n, warps=warps,
-                      stages=stages):
-                base = default_tiles(max_query_len, group, head_size, cache_bytes)
+            def tiles(max_query_len, group, head_size, cache_bytes=2, values_slot_minor=False, block_m=block_m,
+                      tile_n=tile_n, warps=warps, stages=stages):
+                base = default_tiles(max_query_len, group, head_size, cache_bytes, values_slot_minor)
                 rows = block_m or base.block_m
                 return attn.AttentionTiles(rows, rows // group, tile_n, warps, stages)
 

@@ -3,7 +3,7 @@
 KV cache layout (the same as the CPU plugin's): one tensor per layer,
 ``[2, num_blocks, block_size, num_kv_heads, head_size]``, keys then values; callers pass
 ``kv_cache[0]`` and ``kv_cache[1]``. Any strides work as long as ``head_size`` is the
-contiguous dimension.
+contiguous dimension, or the value cache is slot-minor (:func:`runtime_kernels.kv_cache.slot_minor`).
 
 Each request's queries are its last ``q_len`` positions (``q_len`` from
 ``query_start_loc``), causal among themselves, over all ``seq_len`` cached keys; a
@@ -13,15 +13,36 @@ sliding window of ``w`` lets a query see the ``w`` positions ending at its own.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
+from runtime_kernels.kv_cache import check_value_cache, is_slot_minor
 from runtime_kernels.utils import check_last_dim_contiguous, interpreting, next_power_of_2, require_triton
 
 MAX_HEAD_SIZE = 512
 MAX_SEGMENTS = 16
 MIN_TILES_PER_SEGMENT = 4
+
+
+def _tiles_setting(name: str) -> tuple[int, int, int] | None:
+    """``keys,warps,stages`` from the environment variable ``name`` (None when unset)."""
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    fields = text.split(",")
+    if len(fields) != 3 or not all(f.strip().isdigit() for f in fields):
+        raise ValueError(f"{name}={text!r}: it takes keys,warps,stages (e.g. 128,2,3): positive integers, "
+                         "keys and warps powers of two")
+    keys, warps, stages = (int(f) for f in fields)
+    if keys < 16 or keys != next_power_of_2(keys) or warps < 1 or warps != next_power_of_2(warps) or stages < 1:
+        raise ValueError(f"{name}={text!r}: keys must be a power of two >= 16, warps a power of two, stages >= 1")
+    return keys, warps, stages
+
+
+# The tiles of decode steps over an 8-bit cache (keys a step, warps, stages), for sweeps in the engine.
+FP8_DECODE_TILES = _tiles_setting("RUNTIME_FP8_DECODE_TILES")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +56,15 @@ class AttentionTiles:
     num_stages: int
 
 
-def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2) -> AttentionTiles:
+def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int, cache_bytes: int = 2,
+                    values_slot_minor: bool = False) -> AttentionTiles:
     """Small programs for decode-only batches (and the few queries per request of speculative
     verification), larger ones when prefill chunks are present.
 
-    Decode over an 8-bit cache (``cache_bytes`` 1) takes twice the keys per step with two
-    warps and three stages: the fastest in the H200 sweeps of benchmarks/RESULTS.md.
+    Decode over an 8-bit cache (``cache_bytes`` 1) whose values are slot-minor takes 64 keys a
+    step with one warp and three stages; with the usual value layout, twice the keys with two
+    warps: the fastest in the H200 sweeps of benchmarks/RESULTS.md
+    (``RUNTIME_FP8_DECODE_TILES=keys,warps,stages`` sets others).
     """
     head_pad = next_power_of_2(max(head_size, 16))
     rows_needed = max_query_len * num_queries_per_kv
@@ -48,7 +72,8 @@ def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     block_m = max(rows, next_power_of_2(num_queries_per_kv))
     tile_n = 64 if head_pad <= 128 else 32
     if cache_bytes == 1 and max_query_len == 1:
-        return AttentionTiles(block_m, block_m // num_queries_per_kv, 2 * tile_n, num_warps=2, num_stages=3)
+        keys, warps, stages = FP8_DECODE_TILES or ((tile_n, 1, 3) if values_slot_minor else (2 * tile_n, 2, 3))
+        return AttentionTiles(block_m, block_m // num_queries_per_kv, keys, num_warps=warps, num_stages=stages)
     return AttentionTiles(block_m, block_m // num_queries_per_kv, tile_n, num_warps=4, num_stages=2)
 
 
@@ -80,7 +105,7 @@ def num_kv_segments(
 def unified_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size], or a kv_cache.slot_minor view
     out: torch.Tensor,  # [num_tokens, num_heads, head_size], written
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
@@ -108,12 +133,14 @@ def unified_attention(
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size {head_size} is larger than the kernel's maximum {MAX_HEAD_SIZE}")
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
+    for name, t in (("query", query), ("key_cache", key_cache), ("out", out)):
         check_last_dim_contiguous(name, t)
+    check_value_cache("value_cache", value_cache)
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    tiles = attention_tiles(max_query_len, num_heads // num_kv_heads, head_size, key_cache.element_size())
+    v_slot_minor = is_slot_minor(value_cache)
+    tiles = attention_tiles(max_query_len, num_heads // num_kv_heads, head_size, key_cache.element_size(), v_slot_minor)
     head_pad = next_power_of_2(max(head_size, 16))
     if num_segments is None:
         num_segments = num_kv_segments(max_query_len, max_seq_len, num_reqs, num_kv_heads, tiles.tile_n, query.device,
@@ -148,6 +175,7 @@ def unified_attention(
         F16_DOTS=f16_dots,
         NUM_SEGMENTS=num_segments,
         DECODE=decode,
+        V_SLOT_MINOR=v_slot_minor,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

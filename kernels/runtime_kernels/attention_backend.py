@@ -16,7 +16,7 @@ import torch
 from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
 from runtime.envs import env_flag
 from runtime_kernels.attention import unified_attention
-from runtime_kernels.kv_cache import reshape_and_cache, rotary_reshape_and_cache
+from runtime_kernels.kv_cache import reshape_and_cache, rotary_reshape_and_cache, slot_minor
 
 
 class TritonAttentionBackend:
@@ -27,6 +27,11 @@ class TritonAttentionBackend:
     supports_fp8_kv_cache = True  # the kernels convert on store and load
     # the rotary embedding and the cache write in one launch (RUNTIME_TRITON_FUSED_ROTARY=0: two)
     fuses_rotary = env_flag("RUNTIME_TRITON_FUSED_ROTARY")
+    # An 8-bit cache keeps its values slot-minor within each block (kv_cache.slot_minor): the decode attention
+    # then loads them in runs of bytes (W2's layer 241 -> 197 us on an H200, benchmarks/RESULTS.md). The block
+    # bytes are the same, so block copies (offload, disaggregation) move them unchanged. RUNTIME_FP8_V_SLOT_MINOR=0:
+    # the usual layout.
+    slot_minor_values = env_flag("RUNTIME_FP8_V_SLOT_MINOR")
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -45,6 +50,8 @@ class TritonAttentionBackend:
         rotation=None,  # runtime.models.rotary.FusedRotation, or None: query and key come rotated
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if self.slot_minor_values and value_cache.element_size() == 1:
+            value_cache = slot_minor(value_cache)
         if rotation is None:
             reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         else:

@@ -4,6 +4,11 @@ A slot is ``block_id * block_size + offset``; the caches are
 ``[num_blocks, block_size, num_kv_heads, head_size]`` (``kv_cache[0]`` and
 ``kv_cache[1]`` of the ``[2, ...]`` layer tensor). Negative slots are skipped, so a
 padded batch (CUDA graphs) can mark its padding tokens with ``-1``.
+
+A value cache may also be *slot-minor* (:func:`slot_minor`): the same block bytes ordered
+``[num_kv_heads, head_size, block_size]``, seen through strides as the usual shape. The
+write and the attention kernels read its strides; an 8-bit cache's attention then loads
+each dimension's slots of a block as one run of bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +16,29 @@ from __future__ import annotations
 import torch
 
 from runtime_kernels.utils import check_last_dim_contiguous, interpreting, next_power_of_2, require_triton
+
+
+def slot_minor(cache: torch.Tensor) -> torch.Tensor:
+    """A view of the ``[num_blocks, block_size, num_kv_heads, head_size]`` cache whose blocks, each in its own
+    bytes, hold their slots last: ``[num_kv_heads, head_size, block_size]`` (same shape and indexing)."""
+    num_blocks, block_size, num_kv_heads, head_size = cache.shape
+    if cache.stride(1) != num_kv_heads * head_size or cache.stride(2) != head_size or cache.stride(3) != 1:
+        raise ValueError(f"slot_minor takes a cache whose blocks are contiguous, got strides {cache.stride()}")
+    return cache.as_strided(cache.shape, (cache.stride(0), 1, head_size * block_size, block_size),
+                            cache.storage_offset())
+
+
+def is_slot_minor(cache: torch.Tensor) -> bool:
+    """Whether ``cache`` is a :func:`slot_minor` view (with more than one slot a block)."""
+    _, block_size, _, head_size = cache.shape
+    return block_size > 1 and cache.stride(1) == 1 and cache.stride(3) == block_size and \
+        cache.stride(2) == head_size * block_size
+
+
+def check_value_cache(name: str, cache: torch.Tensor) -> None:
+    """The kernels take a value cache whose last dimension is contiguous, or a :func:`slot_minor` view."""
+    if not is_slot_minor(cache):
+        check_last_dim_contiguous(name, cache)
 
 
 def reshape_and_cache(
@@ -65,8 +93,9 @@ def _write(key, value, key_cache, value_cache, slot_mapping, rotation=None) -> N
     num_tokens, num_kv_heads, head_size = key.shape
     if key_cache.shape[2:] != (num_kv_heads, head_size):
         raise ValueError(f"key shape {tuple(key.shape)} does not fit cache shape {tuple(key_cache.shape)}")
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
+    for name, t in (("key", key), ("value", value), ("key_cache", key_cache)):
         check_last_dim_contiguous(name, t)
+    check_value_cache("value_cache", value_cache)
     if num_tokens == 0:
         return
     positions, query, cos_sin_cache = rotation if rotation is not None else (slot_mapping, key, key)  # unread stand-ins
@@ -83,14 +112,13 @@ def _write(key, value, key_cache, value_cache, slot_mapping, rotation=None) -> N
         Q_HEADS_PAD=next_power_of_2(query.shape[1]),
         HEADS_PAD=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=key_cache.shape[1],
+        V_SLOT_MINOR=is_slot_minor(value_cache),
     )
 
 
 def reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """The same write by indexing the flattened slots (skipping negative slots)."""
+    """The same write by indexing each slot's block and offset (skipping negative slots); any strides."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])  # [num_slots, kv_heads, head_size]
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
-    flat_k[slots] = key[keep].to(key_cache.dtype)
-    flat_v[slots] = value[keep].to(value_cache.dtype)
+    blocks, offsets = slot_mapping[keep] // key_cache.shape[1], slot_mapping[keep] % key_cache.shape[1]
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)

@@ -22,6 +22,7 @@ from runtime_kernels.attention import (  # noqa: E402
     unified_attention_ref,
 )
 
+from runtime_kernels.kv_cache import slot_minor  # noqa: E402
 from support.kernel_testing import BF16_TOL
 
 # (tokens already cached, new tokens this step) per request.
@@ -161,6 +162,47 @@ def test_fp8_cache_softcap_and_split_kv(device, softcap):
     kv = kv.to(torch.float8_e4m3fn)
     out, ref = run_both((query, kv, qsl, seq_lens, table, max_q), 0.3, softcap=softcap, num_segments=4)
     torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
+
+
+@pytest.mark.parametrize(
+    "requests, head_size, block_size, window, num_segments",
+    [
+        (DECODES, 64, 16, 13, None),  # the 8-bit decode tiles, whole blocks a tile
+        (MIXED, 64, 16, 13, None),  # prefill tiles, whole blocks a tile
+        (DECODES, 80, 16, None, 4),  # a padded head (a dimension mask), split-KV segments
+        (MIXED, 64, 128, 9, None),  # blocks larger than a tile: slot by slot
+    ],
+    ids=["decodes", "mixed", "head-80-split", "large-blocks"],
+)
+def test_fp8_cache_with_slot_minor_values(device, requests, head_size, block_size, window, num_segments):
+    """An 8-bit value cache slot-minor within each block (kv_cache.slot_minor) attends as the usual layout does.
+    The slots past each request's end hold random values, which whole-block loads read and must weigh nothing."""
+    query, kv, qsl, seq_lens, table, max_q = make_batch(requests, 8, 2, head_size, block_size, torch.bfloat16, device,
+                                                        seed=6)
+    kv = kv.to(torch.float8_e4m3fn)
+    values = slot_minor(torch.empty_like(kv[1]))
+    values.copy_(kv[1])
+    out = torch.full_like(query, float("nan"))
+    unified_attention(query, kv[0], values, out, qsl, seq_lens, table, max_q, 0.125, window, num_segments=num_segments)
+    ref = unified_attention_ref(query, kv[0], kv[1], qsl, seq_lens, table, 0.125, window)
+    torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
+    usual = torch.full_like(query, float("nan"))
+    unified_attention(query, kv[0], kv[1], usual, qsl, seq_lens, table, max_q, 0.125, window, num_segments=num_segments)
+    torch.testing.assert_close(out, usual, atol=2e-3, rtol=0)
+
+
+def test_fp8_decode_tiles_by_value_layout(monkeypatch):
+    import runtime_kernels.attention as attn
+
+    assert attention_tiles(1, 4, 128, cache_bytes=1, values_slot_minor=True) == attn.AttentionTiles(16, 4, 64, 1, 3)
+    assert attention_tiles(1, 4, 128, cache_bytes=1) == attn.AttentionTiles(16, 4, 128, 2, 3)
+    assert attention_tiles(3, 4, 128, cache_bytes=1, values_slot_minor=True).tile_n == 64  # not a decode: as usual
+    monkeypatch.setenv("RUNTIME_FP8_DECODE_TILES", "32,2,5")
+    assert attn._tiles_setting("RUNTIME_FP8_DECODE_TILES") == (32, 2, 5)
+    for bad in ("64,1", "48,1,3", "64,3,3", "64,1,0", "a,b,c"):
+        monkeypatch.setenv("RUNTIME_FP8_DECODE_TILES", bad)
+        with pytest.raises(ValueError, match=f"RUNTIME_FP8_DECODE_TILES='{bad}'"):
+            attn._tiles_setting("RUNTIME_FP8_DECODE_TILES")
 
 
 def test_reference_matches_per_token_loop():

@@ -48,10 +48,11 @@ def kernel_ops() -> dict:
     }
 
 
-def run_schedule(model, vocab_size: int, backend=None) -> list[torch.Tensor]:
+def run_schedule(model, vocab_size: int, backend=None, cache_dtype=None, block_size=4) -> list[torch.Tensor]:
     """Final hidden states ``[num_tokens, hidden]`` of each step of the fixed schedule."""
     generator = torch.Generator().manual_seed(7)
-    runner = PagedRunner(model, num_requests=len(PROMPT_LENS), block_size=4, seed=3, backend=backend)
+    runner = PagedRunner(model, num_requests=len(PROMPT_LENS), block_size=block_size, seed=3, backend=backend,
+                         cache_dtype=cache_dtype)
     steps = [[torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]]
     steps += [[torch.randint(0, vocab_size, (q,), generator=generator).tolist() for q in lens] for lens in SCHEDULE]
     return [runner.step_hidden(tokens).float().cpu() for tokens in steps]
@@ -97,6 +98,41 @@ def test_rotary_fused_into_the_triton_cache_write(arch, kernel_device, tmp_path,
     for step, (want, have) in enumerate(zip(apart, fused)):
         assert want.abs().max() > 0.5, "hidden states too small for the comparison to mean much"
         assert torch.equal(have, want), f"{arch} step {step}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fp8_cache_with_slot_minor_values_through_the_triton_backend(arch, kernel_device, tmp_path):
+    """By default the backend's write and attention keep an 8-bit cache's values slot-minor within each block, and a
+    model computes the same hidden states as over the usual layout (RUNTIME_FP8_V_SLOT_MINOR=0)."""
+    from runtime_kernels import attention_backend
+    from runtime_kernels.attention_backend import TritonAttentionBackend
+
+    class UsualValues(TritonAttentionBackend):
+        slot_minor_values = False
+
+    assert TritonAttentionBackend.slot_minor_values
+    resolved = resolve_model(build_untokenized_model(arch, tmp_path))
+    with custom_ops_scope(kernel_ops()):
+        model = load_model(resolved, dtype=torch.float32, device=kernel_device)
+    vocab_size = resolved.hf_config.vocab_size
+    fp8 = torch.float8_e4m3fn
+    usual = run_schedule(model, vocab_size, UsualValues(), fp8, block_size=16)
+    views = []
+    real_slot_minor = attention_backend.slot_minor
+
+    def recording_slot_minor(cache):
+        views.append(real_slot_minor(cache))
+        return views[-1]
+
+    attention_backend.slot_minor = recording_slot_minor
+    try:
+        minor = run_schedule(model, vocab_size, TritonAttentionBackend(), fp8, block_size=16)
+    finally:
+        attention_backend.slot_minor = real_slot_minor
+    assert len(views) == len(model.attention_specs()) * (1 + len(SCHEDULE))  # every layer, every step
+    for step, (want, have) in enumerate(zip(usual, minor)):
+        assert want.abs().max() > 0.5, "hidden states too small for the comparison to mean much"
+        torch.testing.assert_close(have, want, atol=ATOL[kernel_device], rtol=0, msg=f"{arch} step {step}")
 
 
 def test_norm_kernel_without_fused_add(kernel_device, tmp_path):

@@ -46,7 +46,8 @@ def make_metadata(
 class PagedRunner:
     """Runs ``model`` over a growing batch of requests with a paged KV cache."""
 
-    def __init__(self, model, num_requests: int, block_size: int = 4, num_blocks: int = 64, seed: int = 0, backend=None):
+    def __init__(self, model, num_requests: int, block_size: int = 4, num_blocks: int = 64, seed: int = 0, backend=None,
+                 cache_dtype: torch.dtype | None = None):
         self.model = model
         self.backend = backend if backend is not None else CPUPagedAttentionBackend()
         self.block_size = block_size
@@ -55,7 +56,7 @@ class PagedRunner:
         self.kv_caches = [
             torch.zeros(
                 self.backend.kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_size),
-                dtype=param.dtype,
+                dtype=cache_dtype or param.dtype,
                 device=self.device,
             )
             for s in model.attention_specs()

@@ -21,15 +21,24 @@ grid axis cuts each request's key range into segments; each program stores its
 unnormalized partial result, running max and sum, and :func:`merge_segments_kernel`
 combines them.
 
+``V_SLOT_MINOR``: the value cache is slot-minor within each block
+(``[num_kv_heads, head_size, block_size]`` a block, :func:`runtime_kernels.kv_cache.slot_minor`).
+With tiles of whole blocks the program loads a tile's values as ``[HEAD_PAD, blocks,
+BLOCK_SIZE]``, each dimension's slots of a block one run of bytes, and masks whole blocks:
+the slots past ``kv_end`` in the last block (or before ``kv_begin`` in the first) are read
+but weigh nothing, which needs them finite (the caches are allocated zeroed and the write
+converts with saturation).
+
 ``UPCAST`` computes the dots in float32; the launcher sets it for bfloat16 under
 Triton's interpreter, whose bfloat16 ``tl.dot`` is wrong (compiled kernels keep bf16).
 
 ``F16_DOTS`` (an 8-bit cache under 16-bit queries) widens keys and values to float16,
 not the query's dtype: FP8 -> float16 is a single conversion instruction per pair of
 values, FP8 -> bfloat16 is not (the bfloat16 route held the first FP8 decode kernel at
-~2.25 TB/s). What bounds the FP8 decode now is occupancy: Nsight Compute on an H200 finds
-8 warps an SM (255 registers and ~41 KiB of shared memory a program), each issuing half the
-time and waiting on its next tile the rest (benchmarks/RESULTS.md, session 27). The
+~2.25 TB/s). With the usual value layout the FP8 decode is bound by occupancy: Nsight Compute
+on an H200 finds 8 warps an SM (255 registers and ~41 KiB of shared memory a program), busy
+transposing V byte by byte (benchmarks/RESULTS.md, session 27); slot-minor values
+(``V_SLOT_MINOR``) need no transposition. The
 softmax scale is folded into the query first; float16 has more mantissa than bfloat16,
 so the query loses nothing but values below float16's normal range. Without a softcap,
 log2(e) is folded in too: the scores come out in base-2 units and the softmax takes
@@ -68,7 +77,7 @@ def _tanh(x):
 def unified_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_size]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size], or slot-minor (V_SLOT_MINOR)
     out_ptr,  # [num_tokens, num_heads, head_size]
     partial_ptr,  # [num_tokens, num_heads, NUM_SEGMENTS, HEAD_PAD + 2] float32 (split-KV only)
     block_table_ptr,  # [num_reqs, max_num_blocks] int32
@@ -103,6 +112,7 @@ def unified_attention_kernel(
     F16_DOTS: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     DECODE: tl.constexpr = False,
+    V_SLOT_MINOR: tl.constexpr = False,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,8 +169,22 @@ def unified_attention_kernel(
         slot = kv_pos % BLOCK_SIZE
         k_offsets = block[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
         k = tl.load(k_cache_ptr + k_offsets + offs_d[:, None], mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
-        v_offsets = block[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
-        v = tl.load(v_cache_ptr + v_offsets + offs_d[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        if V_SLOT_MINOR and TILE_N % BLOCK_SIZE == 0:  # whole blocks: [HEAD_PAD, blocks, slots], slots in runs
+            TILE_BLOCKS: tl.constexpr = TILE_N // BLOCK_SIZE
+            tile_block = tile * TILE_BLOCKS + tl.arange(0, TILE_BLOCKS)
+            block_ok = (tile_block * BLOCK_SIZE < kv_end) & ((tile_block + 1) * BLOCK_SIZE > kv_begin)
+            v_block = tl.load(table + tile_block, mask=block_ok, other=0).to(tl.int64)
+            v_ptrs = (v_cache_ptr + kv_head * stride_v_head + v_block[None, :, None] * stride_v_block
+                      + offs_d[:, None, None] * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)[None, None, :])
+            if HEAD_PAD == HEAD_SIZE:
+                v_t = tl.load(v_ptrs, mask=block_ok[None, :, None], other=0.0)
+            else:
+                v_t = tl.load(v_ptrs, mask=block_ok[None, :, None] & d_ok[:, None, None], other=0.0)
+            v = tl.trans(tl.reshape(v_t, (HEAD_PAD, TILE_N)))
+        else:
+            v_offsets = block[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
+            v_dims = offs_d * BLOCK_SIZE if V_SLOT_MINOR else offs_d
+            v = tl.load(v_cache_ptr + v_offsets + v_dims[None, :], mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
         # The query's dtype: float32 under UPCAST; float16 from an FP8 cache under F16_DOTS
         # (one hardware instruction per two values, where bf16 takes a detour through float32).
         k = k.to(q.dtype)

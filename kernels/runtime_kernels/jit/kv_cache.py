@@ -15,7 +15,7 @@ def reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_size], read only: with ROTATE the rotated keys go to the cache
     value_ptr,  # [num_tokens, num_kv_heads, head_size]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
-    v_cache_ptr,
+    v_cache_ptr,  # the same, or slot-minor within each block (V_SLOT_MINOR): [num_blocks, num_kv_heads, head_size, block_size]
     slot_mapping_ptr,  # [num_tokens] int64; a negative slot: nothing stored (the query is still rotated)
     cos_sin_ptr,  # [max_position, head_size]: cos in the first half, sin in the second (ROTATE only)
     num_q_heads,
@@ -41,6 +41,7 @@ def reshape_and_cache_kernel(
     Q_HEADS_PAD: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    V_SLOT_MINOR: tl.constexpr = False,
 ):
     token = tl.program_id(0).to(tl.int64)
     if ROTATE:
@@ -68,5 +69,6 @@ def reshape_and_cache_kernel(
         k = tl.load(key_ptr + token * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
         tl.store(k_slot + heads[:, None] * stride_kc_head + dims[None, :], k.to(cache_ty), mask=mask)
     v = tl.load(value_ptr + token * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
-    dst_v = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot + heads[:, None] * stride_vc_head + dims[None, :]
+    v_dims = dims * BLOCK_SIZE if V_SLOT_MINOR else dims  # a dimension's slots are adjacent there
+    dst_v = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot + heads[:, None] * stride_vc_head + v_dims[None, :]
     tl.store(dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
