@@ -30,15 +30,18 @@ def attention_signature(dtype: str, cache: str | None = None) -> dict:
     return sig | {f"stride_{s}": "i32" for s in strides}
 
 
-def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None, decode=False):
+def compile_attention(dtype, head, group, block_m, window, softcap, segments, cache=None, decode=False,
+                      slot_minor=False):
     from runtime_kernels.jit import attention as jit
 
     f16_dots = cache == "fp8e4nv"
+    tile_n = 64 if slot_minor or not (f16_dots and decode) else 128  # attention_tiles' choice
     constants = dict(NUM_QUERIES_PER_KV=group, HEAD_SIZE=head, HEAD_PAD=head, BLOCK_SIZE=16, BLOCK_Q=block_m // group,
-                     BLOCK_M=block_m, TILE_N=128 if f16_dots else 64, USE_WINDOW=window, USE_SOFTCAP=softcap,
+                     BLOCK_M=block_m, TILE_N=tile_n, USE_WINDOW=window, USE_SOFTCAP=softcap,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False, F16_DOTS=f16_dots,
-                     NUM_SEGMENTS=segments, DECODE=decode)
-    compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype, cache), constants)
+                     NUM_SEGMENTS=segments, DECODE=decode, V_SLOT_MINOR=slot_minor)
+    compile_for_sm90(jit.unified_attention_kernel, attention_signature(dtype, cache), constants,
+                     num_warps=1 if slot_minor and decode else 4)
     if segments > 1:
         sig = {"partial_ptr": "*fp32", "out_ptr": f"*{dtype}", "stride_o_tok": "i32", "stride_o_head": "i32"}
         compile_for_sm90(jit.merge_segments_kernel, sig, dict(HEAD_SIZE=head, HEAD_PAD=head, NUM_SEGMENTS=segments))
@@ -48,13 +51,14 @@ def compile_elementwise():
     load = importlib.import_module
     strides = ["q_tok", "q_head", "k_tok", "k_head", "v_tok", "v_head", "kc_block", "kc_slot", "kc_head", "vc_block",
                "vc_slot", "vc_head", "cos_sin"]
-    for rotate, cache in ((False, "bf16"), (True, "bf16"), (True, "fp8e4nv")):  # the plain write, the rotating one
+    # the plain write, the rotating one, and the 8-bit cache's with slot-minor values
+    for rotate, cache, slot_minor in ((False, "bf16", False), (True, "bf16", False), (True, "fp8e4nv", True)):
         sig = {"positions_ptr": "*i64", "q_ptr": "*bf16", "key_ptr": "*bf16", "value_ptr": "*bf16",
                "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slot_mapping_ptr": "*i64", "cos_sin_ptr": "*fp32",
                "num_q_heads": "i32", "num_kv_heads": "i32"} | {f"stride_{s}": "i32" for s in strides}
         compile_for_sm90(load("runtime_kernels.jit.kv_cache").reshape_and_cache_kernel, sig,
                          dict(ROTATE=rotate, HEAD_SIZE=128, HALF=64, HALF_PAD=64, HEAD_PAD=128, Q_HEADS_PAD=32,
-                              HEADS_PAD=8, BLOCK_SIZE=16))
+                              HEADS_PAD=8, BLOCK_SIZE=16, V_SLOT_MINOR=slot_minor))
     sig = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "residual_out_ptr": "*bf16",
            "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32", "hidden": "i32", "eps": "fp32"}
     compile_for_sm90(load("runtime_kernels.jit.norm").rms_norm_kernel, sig, dict(HAS_RESIDUAL=True, GEMMA=False, BLOCK_N=1024))
@@ -102,7 +106,9 @@ if __name__ == "__main__":
     compile_attention("bf16", 128, 4, 32, False, False, 4)  # speculative verification: 1 + k queries, split-KV
     compile_attention("fp32", 64, 3, 64, True, True, 1)
     compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
-    compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", decode=True)  # W2's FP8 decode
+    compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", decode=True, slot_minor=True)  # W2's FP8 decode
+    compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", decode=True)  # ... with the usual values
+    compile_attention("bf16", 128, 4, 64, True, False, 1, cache="fp8e4nv", slot_minor=True)  # FP8 prefill
     compile_elementwise()
     compile_gemv()
     print("all kernels compiled for sm_90")
