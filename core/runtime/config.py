@@ -63,6 +63,10 @@ class CacheConfig:
     # A transfer connector's --kv-transfer-config (runtime.kv_transfer.parse_transfer_config), else None.
     kv_transfer_config: dict | None = field(default=None, compare=False)
     cache_dtype: str = "auto"  # KV cache storage: "auto" (the model's dtype) or an 8-bit float
+    # Set by the worker for its KV connector: the attention backend's name for an unusual order of each
+    # block's bytes ("" for the usual one; runtime.attention.backend.kv_block_layout). Blocks saved to disk
+    # are kept apart by it.
+    kv_block_layout: str = field(default="", compare=False)
 
     def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.cache_dtype == "auto" else KV_CACHE_DTYPES[self.cache_dtype]

@@ -36,6 +36,10 @@ class TritonAttentionBackend:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
+    def kv_block_layout(self, cache_dtype: torch.dtype) -> str:
+        """An 8-bit cache's values are slot-minor in each block unless RUNTIME_FP8_V_SLOT_MINOR=0."""
+        return "values-slot-minor" if self.slot_minor_values and cache_dtype.itemsize == 1 else ""
+
     def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
         return metadata
 

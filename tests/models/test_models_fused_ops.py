@@ -111,6 +111,9 @@ def test_fp8_cache_with_slot_minor_values_through_the_triton_backend(arch, kerne
         slot_minor_values = False
 
     assert TritonAttentionBackend.slot_minor_values
+    # the order the KV offload disk tier keeps apart
+    assert TritonAttentionBackend().kv_block_layout(torch.float8_e4m3fn) == "values-slot-minor"
+    assert TritonAttentionBackend().kv_block_layout(torch.bfloat16) == UsualValues().kv_block_layout(torch.float8_e4m3fn) == ""
     resolved = resolve_model(build_untokenized_model(arch, tmp_path))
     with custom_ops_scope(kernel_ops()):
         model = load_model(resolved, dtype=torch.float32, device=kernel_device)

@@ -67,6 +67,12 @@ class AttentionBackend(Protocol):
     the results of ``rotation.apply(query, key)`` before a plain ``forward``; the ``key``
     tensor itself is then left unrotated.
 
+    ``kv_block_layout(cache_dtype) -> str``, optional: a name for the order of each block's
+    bytes when the backend stores them otherwise than ``kv_cache_shape`` reads ("" or absent:
+    as it reads). The shape and the bytes a block owns stay the same, so block copies work
+    unchanged; the name keeps blocks of different orders apart where they outlive the
+    process (the KV offload disk tier).
+
     Optional methods for platforms that compile decode steps (``compiles_graphs``): a
     backend with ``traced_decode_inputs(metadata)`` and ``traced_decode(layer, query, key,
     value, kv_cache, inputs)`` has its decode attention traced into the compiled step
@@ -121,6 +127,12 @@ def select_attention_backend(name: str | None, platform, dtype: torch.dtype, hea
     if head_sizes and head_size not in head_sizes:
         raise ValueError(f"attention backend {name!r} does not support head size {head_size}; supported: {head_sizes}")
     return registry.create(name)
+
+
+def kv_block_layout(backend, cache_dtype: torch.dtype) -> str:
+    """The backend's name for its order of a block's bytes in caches of ``cache_dtype`` ("": the usual)."""
+    method = getattr(backend, "kv_block_layout", None)
+    return method(cache_dtype) if method is not None else ""
 
 
 def as_cached(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
 import torch
 
-from runtime.attention.backend import AttentionMetadata, select_attention_backend
+from runtime.attention.backend import AttentionMetadata, kv_block_layout, select_attention_backend
 from runtime.config import EngineConfig
 from runtime.distributed import broadcast_from_last_stage, get_parallel_state
 from runtime.messages import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -136,7 +137,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.spec_runner is not None:
             self.spec_runner.initialize_kv_cache(num_blocks, self.platform)
-        self.kv_connector = make_kv_connector(self.config, KVConnectorRole.WORKER)
+        layout = kv_block_layout(self.attn_backend, self.kv_cache_dtype)
+        cache_config = dataclasses.replace(self.config.cache_config, kv_block_layout=layout)
+        self.kv_connector = make_kv_connector(dataclasses.replace(self.config, cache_config=cache_config),
+                                              KVConnectorRole.WORKER)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches, block_dim=self._block_dim())
         self.capture_graphs()

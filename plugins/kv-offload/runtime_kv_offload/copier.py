@@ -56,7 +56,10 @@ class BlockCopier:
         for layer, view in self._layer_views(staging):
             layer.index_copy_(0, ids, view)
 
-    def layout_key(self, model: str) -> str:
-        """Names the model and the block layout (disk tier folders never mix layouts)."""
+    def layout_key(self, model: str, block_layout: str = "") -> str:
+        """Names the model and the block layout, with the attention backend's order of a block's bytes when it
+        is not the usual one (``CacheConfig.kv_block_layout``): disk tier folders never mix layouts."""
         text = repr((model, [(str(dtype), shape) for _, _, dtype, shape in self.segments]))
+        if block_layout:
+            text += f" {block_layout}"
         return hashlib.sha256(text.encode()).hexdigest()[:16]

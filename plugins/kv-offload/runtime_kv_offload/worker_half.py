@@ -77,7 +77,8 @@ class OffloadingConnectorWorker:
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int = 1) -> None:
         self.copier = BlockCopier(kv_caches, block_dim)
         is_cuda = kv_caches[0].is_cuda
-        key = self.copier.layout_key(self.config.model_config.model) + rank_suffix(self.state)
+        key = self.copier.layout_key(self.config.model_config.model, self.config.cache_config.kv_block_layout)
+        key += rank_suffix(self.state)
         tiers = build_tiers(self.config, self.copier.block_bytes, key, pin=is_cuda)
         self.cpu = next((tier for _, tier in tiers if hasattr(tier, "reserve_slot")), None)
         self.lower = [(name, tier) for name, tier in tiers if tier is not self.cpu]

@@ -79,3 +79,25 @@ def test_full_disk_tier_evicts_and_tokens_stay_right(model_path, baseline, tmp_p
     assert stats[-1]["kv_offload_blocks_stored"] > len(files)  # older blocks were evicted
     assert sum(f.stat().st_size for f in files) <= cap
     assert stats[-1].get("kv_offload_hits_disk", 0) > 0
+
+
+def test_a_backend_block_order_keeps_its_own_disk_folder(model_path, tmp_path, monkeypatch):
+    """A backend that orders a block's bytes its own way (``kv_block_layout``, as the triton backend does for an
+    8-bit cache's values) saves to a folder of its own: a restart in the other order finds no block to misread."""
+    from runtime_cpu.attention import CPUPagedAttentionBackend
+
+    rng = random.Random(3)
+    prompt = random_tokens(rng, 24)
+    tiers = dict(kv_offload="cpu,disk", kv_offload_size="1MiB,4MiB", kv_offload_dir=str(tmp_path))
+    _, stats = generate_with_stats(model_path, [prompt], **tiers)
+    usual = {p.name for p in tmp_path.iterdir()}
+    assert len(usual) == 1
+
+    monkeypatch.setattr(CPUPagedAttentionBackend, "kv_block_layout", lambda self, dtype: "test-order", raising=False)
+    reference = [tokens for tokens, _ in reference_outputs(model_path, [prompt], NUM_NEW_TOKENS)]
+    outputs, stats = generate_with_stats(model_path, [prompt], **tiers)
+    check_outputs_equal(reference, outputs, "in the other block order")
+    assert stats.get("kv_offload_hits_disk", 0) == 0  # the usual order's blocks are not read
+    folders = {p.name for p in tmp_path.iterdir()}
+    (new,) = folders - usual
+    assert list((tmp_path / new).rglob("*.kvb"))
