@@ -9,7 +9,7 @@ cases) or FLOP rate (prefill cases, causal) next to the current default.
 
 ``--layout HND`` stores each block's slots head by head (the kernel reads it through its strides), to see
 whether the engine's slot-major layout costs bandwidth; ``--layout slot-minor-values`` stores the values of
-each block as ``[kv heads, head, slots]`` (``runtime_kernels.kv_cache.slot_minor``, what
+each block as ``[kv heads, head, slots]`` (``runtime_kernels.kv_cache.slot_minor``,
 what the engine does to an 8-bit cache unless ``RUNTIME_FP8_V_SLOT_MINOR=0``).
 """
 

@@ -21,6 +21,17 @@ def env_int(name: str, default: int, low: int, high: int | None = None) -> int:
     return value
 
 
+def env_ints(name: str, count: int) -> tuple[int, ...] | None:
+    """``count`` comma-separated non-negative integers in ``name`` (None when unset)."""
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    fields = text.split(",")
+    if len(fields) != count or not all(f.strip().isdigit() for f in fields):
+        raise ValueError(f"{name}={text!r}: it takes {count} comma-separated non-negative integers")
+    return tuple(int(f) for f in fields)
+
+
 def env_flag(name: str, default: bool = True) -> bool:
     """``name`` as a switch: 0 off, 1 on (``default`` when unset)."""
     text = os.environ.get(name)

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from runtime.envs import env_ints
 
 from runtime_kernels.kv_cache import check_value_cache, is_slot_minor
 from runtime_kernels.utils import check_last_dim_contiguous, interpreting, next_power_of_2, require_triton
@@ -28,16 +29,13 @@ MIN_TILES_PER_SEGMENT = 4
 
 def _tiles_setting(name: str) -> tuple[int, int, int] | None:
     """``keys,warps,stages`` from the environment variable ``name`` (None when unset)."""
-    text = os.environ.get(name)
-    if text is None:
+    tiles = env_ints(name, 3)
+    if tiles is None:
         return None
-    fields = text.split(",")
-    if len(fields) != 3 or not all(f.strip().isdigit() for f in fields):
-        raise ValueError(f"{name}={text!r}: it takes keys,warps,stages (e.g. 128,2,3): positive integers, "
-                         "keys and warps powers of two")
-    keys, warps, stages = (int(f) for f in fields)
+    keys, warps, stages = tiles
     if keys < 16 or keys != next_power_of_2(keys) or warps < 1 or warps != next_power_of_2(warps) or stages < 1:
-        raise ValueError(f"{name}={text!r}: keys must be a power of two >= 16, warps a power of two, stages >= 1")
+        raise ValueError(f"{name}={os.environ[name]!r}: it takes keys,warps,stages (e.g. 64,1,3): keys a power of "
+                         "two >= 16, warps a power of two, stages >= 1")
     return keys, warps, stages
 
 

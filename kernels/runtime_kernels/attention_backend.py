@@ -54,7 +54,7 @@ class TritonAttentionBackend:
         rotation=None,  # runtime.models.rotary.FusedRotation, or None: query and key come rotated
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if self.slot_minor_values and value_cache.element_size() == 1:
+        if self.kv_block_layout(value_cache.dtype):
             value_cache = slot_minor(value_cache)
         if rotation is None:
             reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
