@@ -58,6 +58,7 @@ def record_steps(llm, profile_at: int, profile_count: int) -> tuple[list[StepRec
     update = scheduler.update_from_output
     records: list[StepRecord] = []
     kernel_us: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
     profiler = None
 
     def timed_update(scheduler_output, runner_output):
@@ -73,11 +74,12 @@ def record_steps(llm, profile_at: int, profile_count: int) -> tuple[list[StepRec
             for event in profiler.events():
                 if event.device_type == torch.autograd.DeviceType.CUDA:
                     kernel_us[categorize(event.name)] += event.device_time_total
+                    by_name[event.name] += event.device_time_total
             profiler = None
         return update(scheduler_output, runner_output)
 
     scheduler.update_from_output = timed_update
-    return records, kernel_us
+    return records, kernel_us, by_name
 
 
 def summarize(records: list[StepRecord], start: float) -> list[dict]:
@@ -108,8 +110,12 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--platform", default="cuda")
+    parser.add_argument("--quantization", default=None, help="as the engine's --quantization (e.g. fp8)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--profile-step", type=int, default=-1, help="first step to profile (-1: none)")
     parser.add_argument("--profile-count", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15, help="kernels listed by name with --profile-step")
     args = parser.parse_args()
 
     from runtime import LLM, SamplingParams
@@ -117,19 +123,23 @@ def main() -> int:
 
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, platform=args.platform,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, async_scheduling=args.async_scheduling)
+              max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     vocab = int(llm.llm_engine.config.model_config.hf_config.vocab_size)
     workload = make_workload(args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2, vocab, seed=0)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm up
-    records, kernel_us = record_steps(llm, args.profile_step, args.profile_count)
+    records, kernel_us, by_name = record_steps(llm, args.profile_step, args.profile_count)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
 
     groups = summarize(records, start)
-    print(f"{len(records)} steps, {elapsed:.2f} s, {args.num_prompts * args.output_len / elapsed:,.1f} output tok/s")
+    scheduler = llm.llm_engine.engine_core.scheduler
+    print(f"{len(records)} steps, {elapsed:.2f} s, {args.num_prompts * args.output_len / elapsed:,.1f} output tok/s, "
+          f"{scheduler.num_preemptions} preemptions, {scheduler.kv_cache_manager.num_blocks} KV blocks")
     print(f"{'kind':7} {'decodes<=':>9} {'steps':>6} {'seconds':>8} {'ms/step':>8} {'decode tok':>11} {'prefill tok':>12}")
     for g in groups:
         print(f"{g['kind']:7} {g['decodes<=']:9d} {g['steps']:6d} {g['seconds']:8.2f} {1000 * g['seconds'] / g['steps']:8.2f} "
@@ -140,6 +150,9 @@ def main() -> int:
               f"{total / 1000 / args.profile_count:.2f} ms/step")
         for category, us in sorted(kernel_us.items(), key=lambda kv: -kv[1]):
             print(f"  {category:16} {us / 1000 / args.profile_count:8.2f} ms/step ({100 * us / total:4.1f} %)")
+        print(f"the {args.top} longest kernels:")
+        for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"  {us / 1000 / args.profile_count:8.2f} ms/step  {name[:110]}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "step_timeline.json"), "w") as f:
             json.dump({"elapsed_s": elapsed, "groups": groups, "kernel_ms_per_step": {k: v / 1000 / args.profile_count for k, v in kernel_us.items()},

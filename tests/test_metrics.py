@@ -73,7 +73,8 @@ def test_inter_token_latency_counts_every_gap_after_the_first_token():
 def test_stat_logger_line_covers_the_interval_and_stays_quiet_when_idle(caplog):
     caplog.set_level(logging.INFO, logger="runtime.stats")
     logger = StatLogger(interval_s=10.0, last_log_time=0.0)
-    logger.record_prompt(40)
+    logger.record_prompt("a", 40)
+    logger.record_prompt("c", 7)  # prefilled later: not in this line
     stats = {"num_running": 3, "num_waiting": 1, "kv_cache_usage": 0.5, "prefix_cache_queries": 10, "prefix_cache_hits": 4}
     logger.record(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1, 2]), EngineCoreOutput("b", [3])], scheduler_stats=stats))
     logger.maybe_log(now=5.0)  # not yet
@@ -87,6 +88,26 @@ def test_stat_logger_line_covers_the_interval_and_stays_quiet_when_idle(caplog):
     logger.record(EngineCoreOutputs(scheduler_stats=idle))
     assert logger.log(now=20.0) is not None  # the first idle line says the engine went idle
     assert logger.log(now=30.0) is None and len(caplog.messages) == 2
+
+
+def test_stat_logger_counts_a_prompt_when_its_first_output_arrives(caplog):
+    caplog.set_level(logging.INFO, logger="runtime.stats")
+    logger = StatLogger(interval_s=10.0, last_log_time=0.0)
+    for request_id in "abc":  # an offline batch: every prompt added at once
+        logger.record_prompt(request_id, 100)
+    logger.forget(["c"])  # aborted before its prefill
+    stats = {"num_running": 1, "num_waiting": 1}
+    logger.record(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [1])], scheduler_stats=stats))
+    logger.log(now=10.0)
+    logger.record(EngineCoreOutputs(outputs=[EngineCoreOutput("a", [2]), EngineCoreOutput("b", [3])], scheduler_stats=stats))
+    logger.log(now=20.0)
+    logger.record(EngineCoreOutputs(outputs=[EngineCoreOutput("b", [4])], scheduler_stats=stats))
+    logger.log(now=30.0)
+    assert [m.split(", Running")[0] for m in caplog.messages] == [
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 0.1 tokens/s",
+        "Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 0.2 tokens/s",
+        "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.1 tokens/s",
+    ]
 
 
 def test_log_stats_interval_from_the_environment(monkeypatch):

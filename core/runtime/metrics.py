@@ -209,11 +209,12 @@ class EngineMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         if num_prompt_tokens:
             self.request_prompt_tokens.observe(num_prompt_tokens)
-            self.stat_logger.record_prompt(num_prompt_tokens)
+            self.stat_logger.record_prompt(request_id, num_prompt_tokens)
 
     def end_requests(self, request_ids, reason: str, now: float | None = None) -> None:
         """Requests that ended in the front end: "abort", "error", or "stop" (a stop string)."""
         now = time.time() if now is None else now
+        self.stat_logger.forget(request_ids)
         for request_id in request_ids:
             times = self._times.pop(request_id, None)
             if times is not None:

@@ -2,7 +2,9 @@
 
 Fed the engine's step outputs (``record``) and the prompts added (``record_prompt``);
 ``log`` writes one line covering the time since the previous one and stays quiet while
-the engine is idle. Off with ``disable_log_stats`` (the offline ``LLM`` default).
+the engine is idle. A prompt's tokens count in the interval where its request's first
+output arrives (its prefill done), as vLLM counts them, not when it was added: an offline
+batch added at once would otherwise show all its prompts in the first line and none later. Off with ``disable_log_stats`` (the offline ``LLM`` default).
 """
 
 from __future__ import annotations
@@ -51,14 +53,24 @@ class StatLogger:
     last_log_time: float = field(default_factory=time.monotonic)
     _last_prefix: tuple[int, int] = (0, 0)  # cumulative prefix cache (queries, hits) at the last line
     _was_idle: bool = False
+    _pending_prompts: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens, until its first output
 
-    def record_prompt(self, num_tokens: int) -> None:
-        self.num_prompt_tokens += num_tokens
+    def record_prompt(self, request_id: str, num_tokens: int) -> None:
+        """A request's prompt, counted when the request's first output arrives."""
+        self._pending_prompts[request_id] = num_tokens
+
+    def forget(self, request_ids) -> None:
+        """Requests that ended without an output from the core (aborted while waiting)."""
+        for request_id in request_ids:
+            self._pending_prompts.pop(request_id, None)
 
     def record(self, outputs: EngineCoreOutputs, scheduler_stats: dict | None = None) -> None:
         """One engine message; ``scheduler_stats``: the server's view of them, where several engines combine."""
+        pending = self._pending_prompts
         for output in outputs.outputs:
             self.num_generation_tokens += len(output.new_token_ids)
+            if pending:
+                self.num_prompt_tokens += pending.pop(output.request_id, 0)
         if outputs.new_tokens is not None:
             self.num_generation_tokens += len(outputs.new_tokens.token_ids)
         stats = scheduler_stats or outputs.scheduler_stats

@@ -51,17 +51,21 @@ class LLMEngine:
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
         if self.stat_logger is not None:
-            self.stat_logger.record_prompt(len(request.prompt_token_ids))
+            self.stat_logger.record_prompt(children[0].request_id, len(request.prompt_token_ids))
 
     def abort_request(self, request_ids) -> None:
         ids = self.output_processor.abort_requests(list(request_ids))
         self.engine_core.abort_requests(ids if ids is not None else request_ids)
+        if self.stat_logger is not None:
+            self.stat_logger.forget(ids if ids is not None else request_ids)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; raises ValueError when the core failed a request (a grammar that does not compile)."""
         outputs = self.engine_core.step()
         if outputs.failed:
             self.output_processor.abort_requests(list(outputs.failed))
+            if self.stat_logger is not None:
+                self.stat_logger.forget(outputs.failed)
             request_id, message = next(iter(outputs.failed.items()))
             raise ValueError(f"request {request_id}: {message}")
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.new_tokens)
