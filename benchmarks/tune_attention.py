@@ -33,6 +33,7 @@ CASES = {  # label: (num_reqs, query tokens per request, context, num_heads, num
     "W2 decode 256x1500": (256, 1, 1500, 32, 8, 128, torch.bfloat16),
     "W2 decode 256x1500 fp8 cache": (256, 1, 1500, 32, 8, 128, torch.float8_e4m3fn),
     "W2 prefill 8x1000": (8, 1000, 1000, 32, 8, 128, torch.bfloat16),
+    "W2 prefill 16x1000 fp8 cache": (16, 1000, 1000, 32, 8, 128, torch.float8_e4m3fn),
     "W1 prefill 16x512": (16, 512, 512, 16, 8, 128, torch.bfloat16),
 }
 

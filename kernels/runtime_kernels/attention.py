@@ -62,11 +62,15 @@ def attention_tiles(max_query_len: int, num_queries_per_kv: int, head_size: int,
     Decode over an 8-bit cache (``cache_bytes`` 1) whose values are slot-minor takes 64 keys a
     step with one warp and three stages; with the usual value layout, twice the keys with two
     warps: the fastest in the H200 sweeps of benchmarks/RESULTS.md
-    (``RUNTIME_FP8_DECODE_TILES=keys,warps,stages`` sets others).
+    (``RUNTIME_FP8_DECODE_TILES=keys,warps,stages`` sets others). Prefill chunks over an 8-bit cache
+    take 128 score rows a program where heads of at most 128 allow (W2's prompts on an H200: 651
+    against 815 us a layer at 64 rows; a 16-bit cache is faster at 64).
     """
     head_pad = next_power_of_2(max(head_size, 16))
     rows_needed = max_query_len * num_queries_per_kv
     rows = 16 if rows_needed <= 16 else 32 if rows_needed <= 32 else (64 if head_pad <= 128 else 32)
+    if cache_bytes == 1 and head_pad <= 128 and rows_needed > 64:
+        rows = 128
     block_m = max(rows, next_power_of_2(num_queries_per_kv))
     tile_n = 64 if head_pad <= 128 else 32
     if cache_bytes == 1 and max_query_len == 1:

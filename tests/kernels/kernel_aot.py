@@ -108,7 +108,7 @@ if __name__ == "__main__":
     compile_attention("bf16", 128, 4, 16, False, True, 1, cache="fp8e4nv")
     compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", decode=True, slot_minor=True)  # W2's FP8 decode
     compile_attention("bf16", 128, 4, 16, False, False, 1, cache="fp8e4nv", decode=True)  # ... with the usual values
-    compile_attention("bf16", 128, 4, 64, True, False, 1, cache="fp8e4nv", slot_minor=True)  # FP8 prefill
+    compile_attention("bf16", 128, 4, 128, True, False, 1, cache="fp8e4nv", slot_minor=True)  # FP8 prefill (128 rows)
     compile_elementwise()
     compile_gemv()
     print("all kernels compiled for sm_90")

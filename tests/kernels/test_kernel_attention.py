@@ -197,6 +197,10 @@ def test_fp8_decode_tiles_by_value_layout(monkeypatch):
     assert attention_tiles(1, 4, 128, cache_bytes=1, values_slot_minor=True) == attn.AttentionTiles(16, 4, 64, 1, 3)
     assert attention_tiles(1, 4, 128, cache_bytes=1) == attn.AttentionTiles(16, 4, 128, 2, 3)
     assert attention_tiles(3, 4, 128, cache_bytes=1, values_slot_minor=True).tile_n == 64  # not a decode: as usual
+    # prefill chunks: 128 score rows over an 8-bit cache (heads <= 128), 64 over a 16-bit one
+    assert attention_tiles(1000, 4, 128, cache_bytes=1, values_slot_minor=True) == attn.AttentionTiles(128, 32, 64, 4, 2)
+    assert attention_tiles(1000, 4, 128) == attn.AttentionTiles(64, 16, 64, 4, 2)
+    assert attention_tiles(1000, 4, 256, cache_bytes=1).block_m == 32
     monkeypatch.setenv("RUNTIME_FP8_DECODE_TILES", "32,2,5")
     assert attn._tiles_setting("RUNTIME_FP8_DECODE_TILES") == (32, 2, 5)
     for bad in ("64,1", "48,1,3", "64,3,3", "64,1,0", "a,b,c"):
@@ -219,3 +223,48 @@ def test_reference_matches_per_token_loop():
                 v = torch.stack([kv[1, blocks[p // 4], p % 4, h // 2] for p in keys])
                 weights = (torch.tanh(k @ query[row, h] * 0.25 / 2.0) * 2.0).softmax(0)
                 torch.testing.assert_close(ref[row, h], weights @ v, atol=1e-5, rtol=1e-5)
+
+
+# Decodes first (as the scheduler orders a mixed step), then prefill chunks, then a decode that is not leading.
+DECODES_FIRST = [(7, 1), (0, 1), (40, 1), (33, 1), (0, 9), (11, 19), (5, 1), (2, 17)]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_backend_runs_leading_decodes_as_their_own_launch(device, monkeypatch, cache_dtype, window):
+    """The triton backend gives a mixed step's leading decodes the decode programs and the rest the prefill tiles,
+    two launches with the result of one (against the reference); off, one launch; other batches, one launch."""
+    import numpy as np
+
+    from runtime.attention.backend import AttentionLayerSpec, AttentionMetadata
+    from runtime_kernels import attention_backend as ab
+
+    query, kv, qsl, seq_lens, table, max_q = make_batch(DECODES_FIRST, 8, 2, 64, 16, torch.bfloat16, device, seed=9)
+    kv = kv.to(cache_dtype)
+    backend = ab.TritonAttentionBackend()
+    layer = AttentionLayerSpec(0, 8, 2, 64, 0.125, sliding_window=window)
+    key = value = torch.zeros(0, 2, 64, dtype=torch.bfloat16, device=device)  # the cache already holds every key
+    calls = []
+    monkeypatch.setattr(ab, "reshape_and_cache", lambda *args: None)
+    monkeypatch.setattr(ab, "unified_attention", lambda *args, **kw: calls.append(args[7]) or unified_attention(*args, **kw))
+
+    def forward(split: bool):
+        monkeypatch.setattr(backend, "split_decodes", split)
+        metadata = backend.build_metadata(AttentionMetadata(
+            len(DECODES_FIRST), query.shape[0], max_q, int(seq_lens.max()), qsl, seq_lens, table, None,
+            qsl.cpu().numpy(), seq_lens.cpu().numpy(), 16))
+        cache = torch.stack([kv[0], kv[1]])
+        if backend.kv_block_layout(cache.dtype):  # an 8-bit cache keeps its values slot-minor
+            slot_minor(cache[1]).copy_(kv[1])
+        calls.clear()
+        return backend.forward(layer, query.clone(), key, value, cache, metadata), list(calls), metadata.backend_data
+
+    out, launches, data = forward(split=True)
+    assert launches == [1, max_q] and data.num_decodes == 4 and data.rest_query_start_loc.tolist() == [0, 9, 28, 29, 46]
+    ref = unified_attention_ref(query, kv[0], kv[1], qsl, seq_lens, table, 0.125, window)
+    torch.testing.assert_close(out.float(), ref.float(), atol=BF16_TOL, rtol=BF16_TOL)
+    one, launches, data = forward(split=False)
+    assert launches == [max_q] and data is None
+    torch.testing.assert_close(out.float(), one.float(), atol=BF16_TOL, rtol=BF16_TOL)
+    assert ab.leading_decodes(np.array([0, 1, 2, 3])) == 3 and ab.leading_decodes(np.array([0, 4, 5])) == 0
+    assert ab.leading_decodes(None) == 0

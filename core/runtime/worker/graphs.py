@@ -141,22 +141,24 @@ class DecodeGraphs:
             self.compiled = None
 
     def warm_up_prefill(self, num_tokens: int) -> None:
-        """One eager step with a prefill chunk and a decode (the chunk alone when the buffers
-        hold one request, ``--max-num-seqs 1``), caching nothing.
+        """One eager step with a decode and a prefill chunk, in the order a mixed step has them (the chunk
+        alone when the buffers hold one request, ``--max-num-seqs 1``), caching nothing.
 
-        Compiles the kernel variants of mixed batches now rather than inside the first
-        timed requests (decode variants are compiled by the graph warm-ups).
+        Compiles the kernel variants of mixed batches now rather than inside the first timed
+        requests, including a backend's own launches for the decodes that lead a mixed step
+        (decode-only variants are compiled by the graph warm-ups).
         """
         b = self.buffers
         num_reqs = min(2, b.query_start_loc.host.shape[0] - 1)
         num_tokens = max(2, min(num_tokens, b.input_ids.host.shape[0] - 1, self.max_model_len - 1))
-        total = num_tokens + num_reqs - 1
+        decodes = num_reqs - 1  # 0 or 1
+        total = num_tokens + decodes
         b.input_ids.host[:total] = 0
-        b.positions.host[:num_tokens] = torch.arange(num_tokens)
-        b.positions.host[num_tokens:total] = 0
+        b.positions.host[:decodes] = 0
+        b.positions.host[decodes:total] = torch.arange(num_tokens)
         b.slot_mapping.host[:total] = -1
-        b.query_start_loc.host[: num_reqs + 1] = torch.tensor([0, num_tokens, total][: num_reqs + 1], dtype=torch.int32)
-        b.seq_lens.host[:num_reqs] = torch.tensor([num_tokens, 1][:num_reqs], dtype=torch.int32)
+        b.query_start_loc.host[: num_reqs + 1] = torch.tensor([0, 1, total] if decodes else [0, total], dtype=torch.int32)
+        b.seq_lens.host[:num_reqs] = torch.tensor([1, num_tokens] if decodes else [num_tokens], dtype=torch.int32)
         b.block_table.zero_()
         metadata = AttentionMetadata(
             num_reqs=num_reqs,

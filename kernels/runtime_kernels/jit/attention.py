@@ -73,7 +73,7 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # a launch per request count would compile again
 def unified_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_size]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_size]
