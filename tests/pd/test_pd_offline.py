@@ -81,3 +81,31 @@ def test_aborts_free_both_sides(tiny_pd_model, fail_mode_llm):
     assert wait_for(freed, 10)
     time.sleep(0.1)
     assert decode.engine_core.scheduler.kv_cache_manager.usage() == 0.0
+
+
+def test_a_prefill_instance_refuses_a_decode_instance_of_another_block_order(tiny_pd_model, fail_mode_llm, monkeypatch):
+    """Both instances' layout keys come from their workers (the connector handshake), so they include the attention
+    backend's order of a block's bytes (``kv_block_layout``, as the triton backend's for an 8-bit cache): a prefill
+    instance in another order refuses the pull rather than hand over blocks the decode instance would misread."""
+    from runtime import LLM
+    from runtime_cpu.attention import CPUPagedAttentionBackend
+
+    monkeypatch.setattr(CPUPagedAttentionBackend, "kv_block_layout", lambda self, dtype: "test-order", raising=False)
+    port = free_port()
+    producer = LLM(tiny_pd_model, kv_transfer_config=connector("kv_producer", port, lease_s=60), **COMMON)
+    decode_layout = fail_mode_llm.llm_engine.engine_core.scheduler.kv_connector.connector.puller.layout
+    assert producer.llm_engine.engine_core.scheduler.kv_connector.connector.layout != decode_layout
+    out = producer.generate([{"prompt_token_ids": PROMPT}], params({"do_remote_decode": True}, 1), use_tqdm=False)[0]
+    with pytest.raises(ValueError, match=r"different model layout \(.*order of a block's bytes\)"):
+        fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params(out.kv_transfer_params), use_tqdm=False)
+    assert fail_mode_llm.llm_engine.engine_core.scheduler.kv_cache_manager.usage() == 0.0
+    # a decode instance in the same order pulls the blocks and decodes on from them
+    same = LLM(tiny_pd_model, kv_transfer_config=connector("kv_consumer", on_transfer_failure="fail"), **COMMON)
+    assert same.llm_engine.engine_core.scheduler.kv_connector.connector.puller.layout == \
+        producer.llm_engine.engine_core.scheduler.kv_connector.connector.layout
+    out = producer.generate([{"prompt_token_ids": PROMPT}], params({"do_remote_decode": True}, 1), use_tqdm=False)[0]
+    producer.llm_engine.engine_core.step()  # the step that hands the lease to the producer's block server
+    (pulled,) = same.generate([{"prompt_token_ids": PROMPT}], params(out.kv_transfer_params), use_tqdm=False)
+    (local,) = producer.generate([{"prompt_token_ids": PROMPT}], params({}), use_tqdm=False)
+    assert pulled.outputs[0].token_ids == local.outputs[0].token_ids
+    assert same.llm_engine.engine_core.scheduler.stats()["kv_transfer_failed_pulls"] == 0

@@ -84,7 +84,8 @@ class CudaIpcConnectorScheduler(TcpConnectorScheduler):
         return Claimer(self.layout, self.settings.pull_timeout_s)
 
     def set_handshake_metadata(self, per_rank: list) -> None:
-        """The worker's GPU, the GPUs it reaches and its layers (one rank: the connector runs uniproc)."""
+        """The worker's layout key, its GPU, the GPUs it reaches and its layers (one rank: the connector runs uniproc)."""
+        super().set_handshake_metadata(per_rank)
         if self.puller is not None and per_rank and per_rank[0]:
             info = per_rank[0]
             self.puller.device_uuid, self.puller.access, self.puller.layers = info["device_uuid"], info["access"], info["layers"]

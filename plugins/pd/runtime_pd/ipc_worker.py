@@ -53,7 +53,8 @@ class CudaIpcConnectorWorker(TcpConnectorWorker):
         super().register_kv_caches(kv_caches, block_dim)
 
     def get_handshake_metadata(self) -> dict:
-        return {"device_uuid": self.device_uuid, "access": self.access, "layers": layer_layout(self.layers)}
+        return {**super().get_handshake_metadata(), "device_uuid": self.device_uuid, "access": self.access,
+                "layers": layer_layout(self.layers)}
 
     # ---------------------------------------------------------------- producer
     def start_load_kv(self, metadata) -> None:

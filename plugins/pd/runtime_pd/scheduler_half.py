@@ -62,6 +62,17 @@ class TcpConnectorScheduler:
         self.write_failures: dict[str, str] = {}  # request id -> why a rank's write failed
         self.num_ranks = 1
 
+    def set_handshake_metadata(self, per_rank: list) -> None:
+        """The workers' layout key (the same on every rank), which names the attention backend's order of a
+        block's bytes: a decode instance's pulls carry it, and a prefill instance refuses a different one."""
+        layouts = {info["layout"] for info in per_rank if info and "layout" in info}
+        if len(layouts) > 1:
+            raise ValueError(f"the tensor-parallel ranks report different KV layouts: {sorted(layouts)}")
+        if layouts:
+            self.layout = layouts.pop()
+            if self.puller is not None:
+                self.puller.layout = self.layout
+
     def make_puller(self) -> Puller:
         """The decode side's puller (a connector whose blocks travel otherwise returns its own)."""
         return Puller(self.layout, self.settings.pull_timeout_s, self.settings.checksum)

@@ -61,10 +61,14 @@ def settings_of(config) -> PDSettings:
 
 def layout_key(config) -> str:
     """Names what must match between a prefill and a decode instance for their blocks to mean the
-    same: model architecture and depth, dtypes, block size (the workers also check each layer's shape)."""
+    same: model architecture and depth, dtypes, block size, and the attention backend's order of a
+    block's bytes (``CacheConfig.kv_block_layout``, which only the worker knows: the scheduler half
+    takes the worker's key from the connector handshake). The workers also check each layer's shape."""
     hf = config.model_config.hf_config
+    cache = config.cache_config
+    block_layout = getattr(cache, "kv_block_layout", "")
     text = repr((config.model_config.architecture, getattr(hf, "num_hidden_layers", None), str(config.model_config.dtype),
-                 config.cache_config.cache_dtype, config.cache_config.block_size))
+                 cache.cache_dtype, cache.block_size) + ((block_layout,) if block_layout else ()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

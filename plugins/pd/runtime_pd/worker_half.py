@@ -40,6 +40,10 @@ class TcpConnectorWorker:
         self.written: list[str] = []  # writes done since the last report
         self.failed: dict[str, str] = {}  # request id -> why its write failed, since the last report
 
+    def get_handshake_metadata(self) -> dict:
+        """For the scheduler half: this worker's layout key, which includes what only the worker knows."""
+        return {"layout": self.layout}
+
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int = 1) -> None:
         self.layers = [cache.movedim(block_dim, 0) for cache in kv_caches]
         if self.settings.is_consumer and self.layers[0].device.type == "cuda" and self.stream is None:
@@ -120,7 +124,8 @@ class TcpConnectorWorker:
     def serve_pull(self, request_id: str, block_ids: list[int], layout: str) -> tuple[PullReply, list]:
         """The reply to one pull: the leased blocks, or an error naming why not."""
         if layout != self.layout:
-            return self.refuse("the decode instance runs a different model layout (architecture, dtype or block size)")
+            return self.refuse("the decode instance runs a different model layout (architecture, dtype, block size or "
+                               "the attention backend's order of a block's bytes)")
         with self.lock:
             if not self.lock.wait_for(lambda: request_id in self.leases, LEASE_WAIT_S):
                 return self.refuse(f"no blocks are leased to request {request_id!r} (lease expired or never made)")
