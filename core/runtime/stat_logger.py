@@ -4,7 +4,8 @@ Fed the engine's step outputs (``record``) and the prompts added (``record_promp
 ``log`` writes one line covering the time since the previous one and stays quiet while
 the engine is idle. A prompt's tokens count in the interval where its request's first
 output arrives (its prefill done), as vLLM counts them, not when it was added: an offline
-batch added at once would otherwise show all its prompts in the first line and none later. Off with ``disable_log_stats`` (the offline ``LLM`` default).
+batch added at once would otherwise show all its prompts in the first line and none later.
+Off with ``disable_log_stats`` (the offline ``LLM`` default).
 """
 
 from __future__ import annotations

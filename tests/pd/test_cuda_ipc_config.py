@@ -25,7 +25,8 @@ LAYERS = [["bfloat16", [2, 16, 8, 128]]] * 2
 
 
 def engine_config(transfer: dict):
-    cache = types.SimpleNamespace(kv_transfer_config=parse_transfer_config(transfer), block_size=16, cache_dtype="auto")
+    cache = types.SimpleNamespace(kv_transfer_config=parse_transfer_config(transfer), block_size=16, cache_dtype="auto",
+                                  kv_block_layout="")
     return types.SimpleNamespace(cache_config=cache)
 
 

@@ -18,7 +18,8 @@ from runtime_pd.worker_half import TcpConnectorWorker
 def config(mode: str = "recompute"):
     transfer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "engine_id": "d",
                 "kv_connector_extra_config": {"on_transfer_failure": mode}}
-    cache = types.SimpleNamespace(kv_transfer_config=parse_transfer_config(transfer), block_size=4, cache_dtype="auto")
+    cache = types.SimpleNamespace(kv_transfer_config=parse_transfer_config(transfer), block_size=4, cache_dtype="auto",
+                                  kv_block_layout="")
     model = types.SimpleNamespace(architecture="LlamaForCausalLM", dtype="float32",
                                   hf_config=types.SimpleNamespace(num_hidden_layers=2))
     return types.SimpleNamespace(cache_config=cache, model_config=model)

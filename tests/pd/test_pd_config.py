@@ -18,7 +18,8 @@ def args(**overrides):
 
 def engine_config(transfer: dict):
     """Just what the TcpConnector's settings read of an EngineConfig."""
-    cache = types.SimpleNamespace(kv_transfer_config=parse_transfer_config(transfer), block_size=16, cache_dtype="auto")
+    cache = types.SimpleNamespace(kv_transfer_config=parse_transfer_config(transfer), block_size=16, cache_dtype="auto",
+                                  kv_block_layout="")
     return types.SimpleNamespace(cache_config=cache)
 
 

@@ -66,9 +66,8 @@ def layout_key(config) -> str:
     takes the worker's key from the connector handshake). The workers also check each layer's shape."""
     hf = config.model_config.hf_config
     cache = config.cache_config
-    block_layout = getattr(cache, "kv_block_layout", "")
     text = repr((config.model_config.architecture, getattr(hf, "num_hidden_layers", None), str(config.model_config.dtype),
-                 cache.cache_dtype, cache.block_size) + ((block_layout,) if block_layout else ()))
+                 cache.cache_dtype, cache.block_size) + ((cache.kv_block_layout,) if cache.kv_block_layout else ()))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
