@@ -113,6 +113,8 @@ def main() -> int:
     parser.add_argument("--quantization", default=None, help="as the engine's --quantization (e.g. fp8)")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (the profiler lists the kernels of graph replays only partly)")
     parser.add_argument("--profile-step", type=int, default=-1, help="first step to profile (-1: none)")
     parser.add_argument("--profile-count", type=int, default=10)
     parser.add_argument("--top", type=int, default=15, help="kernels listed by name with --profile-step")
@@ -125,7 +127,7 @@ def main() -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     vocab = int(llm.llm_engine.config.model_config.hf_config.vocab_size)
     workload = make_workload(args.num_prompts, (args.input_len,) * 2, (args.output_len,) * 2, vocab, seed=0)
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]

@@ -43,9 +43,10 @@ def make_case(num_reqs, context, num_heads, num_kv_heads, head_size, query_len=1
     blocks_per_req = -(-context // block_size)
     num_blocks = num_reqs * blocks_per_req + 1
     # HND: each head's slots of a block contiguous in memory, seen through the kernels' strides
-    inner = (num_kv_heads, block_size) if layout == "HND" else (block_size, num_kv_heads)
+    head_major = layout in ("HND", "head-major-keys")
+    inner = (num_kv_heads, block_size) if head_major else (block_size, num_kv_heads)
     kv = torch.randn(2, num_blocks, *inner, head_size, dtype=torch.bfloat16, device="cuda").to(cache_dtype)
-    if layout == "HND":
+    if head_major:
         kv = kv.transpose(2, 3)
     perm = torch.randperm(num_blocks - 1, device="cuda")[: num_reqs * blocks_per_req] + 1
     table = perm.view(num_reqs, blocks_per_req).to(torch.int32)
@@ -68,9 +69,9 @@ def main() -> None:
     parser.add_argument("--tile-n", default="32,64,128,256")
     parser.add_argument("--warps", default="2,4,8")
     parser.add_argument("--stages", default="1,2,3")
-    parser.add_argument("--layout", choices=("NHD", "HND", "slot-minor-values"), default="NHD",
+    parser.add_argument("--layout", choices=("NHD", "HND", "slot-minor-values", "head-major-keys"), default="NHD",
                         help="the cache's order within a block: slots then heads (the engine's), heads then slots, "
-                             "or the values' slots last")
+                             "the values' slots last, or keys heads then slots with the values' slots last")
     parser.add_argument("--block-size", type=int, default=16, help="cache slots a block (the engine's default: 16)")
     args = parser.parse_args()
     default_tiles = attn.attention_tiles
@@ -80,8 +81,8 @@ def main() -> None:
                                                            args.layout, args.block_size)
         out = torch.empty_like(q)
         values = kv[1]
-        if args.layout == "slot-minor-values":
-            values = slot_minor(torch.empty_like(kv[1]))
+        if args.layout in ("slot-minor-values", "head-major-keys"):
+            values = slot_minor(torch.empty(kv[1].shape, dtype=kv.dtype, device=kv.device))
             values.copy_(kv[1])
         # causal prefill from position 0: q_len * (q_len + 1) / 2 scores per head, 4 * head FLOPs each
         flops = num_reqs * heads * query_len * (query_len + 1) // 2 * 4 * head

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sample import build_sampling_metadata, to_lists
+from runtime.sample import Sampler, build_sampling_metadata, to_lists
+from runtime.sample.metadata import greedy_metadata
 from runtime.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -27,6 +28,29 @@ def test_greedy_accepts_half_precision_logits(run_sampler):
     logits = torch.randn(3, VOCAB, generator=gen).to(torch.bfloat16)
     out = run_sampler(logits, [SamplingParams(temperature=0.0)] * 3)
     assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=1))
+
+
+def test_argmax_only_rows_take_the_argmax_in_the_logits_own_dtype(monkeypatch):
+    """All greedy with nothing that changes or reads back the logits: no float32 copy of the [rows, vocab] logits
+    (the argmax sees bf16, ties included, and picks what the widened logits give); anything else widens first."""
+    seen = []
+    sampler = Sampler()
+    real = sampler.argmax
+    sampler.argmax = lambda logits: seen.append(logits.dtype) or real(logits)
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, VOCAB, generator=gen).to(torch.bfloat16)
+    logits[2, 7] = logits[2, 30] = logits[2].max() + 1  # a tie: the first wins, as after widening
+    out = sampler(logits, greedy_metadata(6))
+    assert seen == [torch.bfloat16] and out.logprobs is None
+    assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=1)) and out.sampled_token_ids[2] == 7
+    for params in (SamplingParams(temperature=0.0, logit_bias={3: 1.0}), SamplingParams(temperature=0.0, logprobs=1),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.2),
+                   SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])):
+        seen.clear()
+        metadata = build_sampling_metadata([params] * 6, [[0, 1]] * 6, [[]] * 6, [None] * 6, VOCAB, logits.device)
+        assert not Sampler.argmax_only(metadata)
+        sampler(logits, metadata)
+        assert seen == [torch.float32], params
 
 
 def test_all_greedy_metadata_builds_nothing_extra():

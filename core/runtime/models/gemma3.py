@@ -116,3 +116,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def compute_logits_for_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The softcap is monotone, but in float32 it can make two logits equal: the argmax takes the capped ones.
+        if getattr(self.config, "final_logit_softcapping", None) is not None:
+            return self.compute_logits(hidden)
+        return super().compute_logits_for_argmax(hidden)

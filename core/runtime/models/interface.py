@@ -25,6 +25,10 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float logits."""
 
+    # Optional: ``compute_logits_for_argmax(hidden)``, logits with the same argmax as ``compute_logits`` in the
+    # cheapest dtype (the lm_head's). The model runner takes it for steps whose rows need only the argmax, so a
+    # 16-bit model skips widening a [rows, vocab] tensor to float32 (which cannot change an argmax).
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors in by Hugging Face name; return the names loaded."""
 

@@ -198,6 +198,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._lm_head_logits(hidden).float()  # [N, vocab]
+
+    def compute_logits_for_argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits in the lm_head's dtype (see runtime.models.interface)."""
+        return self._lm_head_logits(hidden)
+
+    def _lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None and self.lm_head.quant_method is not None:
             logits = self.lm_head(hidden)
         else:
@@ -205,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
             logits = self._linear(hidden, weight)  # [N, vocab / tp] (this rank's slice, padded)
         if self.tp_size > 1:
             logits = tp_all_gather(logits)[:, : self.config.vocab_size]
-        return logits.float()  # [N, vocab]
+        return logits  # [N, vocab]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_hf_weights(self, weights, self.stacked_params, self.tie_word_embeddings)

@@ -48,6 +48,8 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [N, V] in any float dtype, rows in the order of ``metadata``."""
         assert logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
+        if self.argmax_only(metadata):  # in the logits' own dtype: widening cannot change an argmax
+            return SamplerOutput(sampled_token_ids=self.argmax(logits), logprobs=None)
         logits = logits.to(torch.float32)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -58,6 +60,12 @@ class Sampler(nn.Module):
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, metadata.max_num_logprobs, sampled)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def argmax_only(metadata: SamplingMetadata) -> bool:
+        """Every row greedy, with nothing that changes the logits or reads them back."""
+        return (metadata.all_greedy and metadata.num_rows > 0 and metadata.max_num_logprobs is None
+                and metadata.logit_bias is None and metadata.min_tokens_mask is None and metadata.no_penalties)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -231,11 +231,14 @@ class ModelRunner:
         states, req_ids, rows = _sampling(inputs, sample_rows)
         if so.scheduled_spec_decode_tokens:
             return self._verify_drafts(so, inputs, hidden, states, sample_rows, plain, prompt_logprobs, drafts)
+        compute_logits = self.model.compute_logits
+        if plain and so.grammar_bitmask is None:  # rows that take the argmax alone
+            compute_logits = getattr(self.model, "compute_logits_for_argmax", compute_logits)
         if len(sample_rows) == hidden.shape[0]:  # a decode step: every token is sampled
-            logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
+            logits = compute_logits(hidden)  # [num_sampled, vocab]
         else:
             last_token = upload(inputs.query_start_loc[1:][sample_rows] - 1, torch.int64, self.device)
-            logits = self.model.compute_logits(hidden[last_token])
+            logits = compute_logits(hidden[last_token])
         if so.grammar_bitmask is not None:
             self._apply_grammar_bitmask(so, states, logits)
         metadata = greedy_metadata(len(states)) if plain else self._sampling_metadata(states)
