@@ -144,6 +144,32 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches, block_dim=self._block_dim())
         self.capture_graphs()
+        self.warm_up_sampling()
+
+    @torch.inference_mode()
+    def warm_up_sampling(self) -> None:
+        """Compute logits and sample once on each path a step takes, at one row (the lm_head's one-row kernel)
+        and two: argmax-only rows in the lm_head's dtype, a greedy row with logprobs over float logits, and random
+        rows (top-k and top-p) with generators of their own. The platform's kernels for them compile now
+        rather than inside the first requests (W2's first timed step ran ~1 s long on a fresh H200, session 30).
+        Touches no request's state and not the global random generator."""
+        if not self.is_last_stage:  # the last stage computes the logits
+            return
+        from runtime.sample.metadata import build_sampling_metadata
+        from runtime.sampling_params import SamplingParams
+
+        hidden_size = self.model_config.hf_config.get_text_config().hidden_size
+        argmax_logits = getattr(self.model, "compute_logits_for_argmax", self.model.compute_logits)
+        random = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+        for rows, params in ((1, [SamplingParams(temperature=0.0, logprobs=1)]), (2, [random] * 2)):
+            hidden = torch.zeros(rows, hidden_size, dtype=self.model_config.dtype, device=self.device)
+            self.sampler(argmax_logits(hidden), greedy_metadata(rows))
+            # every random row seeded: a batch with an unseeded one would draw from the global generator
+            generators = [torch.Generator(device=self.device).manual_seed(0) for _ in params]
+            metadata = build_sampling_metadata(params, [[0]] * rows, [[]] * rows, generators,
+                                               self.model_config.vocab_size, self.device)
+            self.sampler(self.model.compute_logits(hidden), metadata)
+        self.platform.synchronize()
 
     def _block_dim(self) -> int:
         """The dimension of the backend's KV cache layout that indexes blocks."""
