@@ -85,6 +85,19 @@ def record_steps(
     return records, kernel_us, by_name
 
 
+def log_compiles(clock: list[float]) -> None:
+    """Print every Triton kernel the process compiles from now on, with its specialization (the constants and the
+    arguments' divisibility) and the time since ``clock[0]`` (a start-up compile before the timed run sets it)."""
+    import triton
+
+    def hook(*, repr: str, compile: dict, **_) -> bool:
+        print(f"compile at {time.perf_counter() - clock[0]:8.3f} s: {repr.split('(')[0]} "
+              f"constants={compile.get('constants')} attrs={compile.get('configs')}", flush=True)
+        return False  # go on and compile
+
+    triton.knobs.runtime.jit_cache_hook = hook
+
+
 def summarize(records: list[StepRecord], start: float) -> list[dict]:
     """Wall time per (kind, batch-size bucket); a step's time is the gap since the one before."""
     groups: dict[tuple[str, int], dict] = {}
@@ -121,10 +134,17 @@ def main() -> int:
     parser.add_argument("--profile-step", type=int, default=-1, help="first step to profile (-1: none)")
     parser.add_argument("--profile-count", type=int, default=10)
     parser.add_argument("--top", type=int, default=15, help="kernels listed by name with --profile-step")
+    parser.add_argument("--first-steps", type=int, default=0, help="print the time of each of the first N steps")
+    parser.add_argument("--log-compiles", action="store_true",
+                        help="print each Triton kernel compiled (a new specialization), at start-up and in the timed run")
     args = parser.parse_args()
 
     from runtime import LLM, SamplingParams
     from runtime.bench.throughput import make_workload
+
+    clock = [time.perf_counter()]  # compiles print their time since start-up, then since the timed run's start
+    if args.log_compiles:
+        log_compiles(clock)
 
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, platform=args.platform,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -137,7 +157,9 @@ def main() -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:4], params, use_tqdm=False)  # warm up
     records, kernel_us, by_name = record_steps(llm, args.profile_step, args.profile_count)
-    start = time.perf_counter()
+    start = clock[0] = time.perf_counter()
+    if args.log_compiles:
+        print("the timed run starts", flush=True)
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
 
@@ -149,6 +171,11 @@ def main() -> int:
     for g in groups:
         print(f"{g['kind']:7} {g['decodes<=']:9d} {g['steps']:6d} {g['seconds']:8.2f} {1000 * g['seconds'] / g['steps']:8.2f} "
               f"{g['decode_tokens']:11d} {g['prefill_tokens']:12d}")
+    previous = start
+    for i, record in enumerate(records[: args.first_steps]):
+        print(f"step {i}: {1000 * (record.done_at - previous):8.1f} ms, {record.decode_tokens} decodes, "
+              f"{record.prefill_tokens} prefill tokens")
+        previous = record.done_at
     if kernel_us:
         total = sum(kernel_us.values())
         print(f"GPU kernels over steps {args.profile_step}..{args.profile_step + args.profile_count - 1}: "

@@ -63,6 +63,9 @@ class TritonAttentionBackend:
     # the usual layout.
     slot_minor_values = env_flag("RUNTIME_FP8_V_SLOT_MINOR")
     split_decodes = env_flag("RUNTIME_TRITON_SPLIT_DECODES")
+    # Step block tables of whole multiples of 16 columns: their row stride is a kernel argument, which Triton
+    # specializes by divisibility, so any other width would compile the kernels again (runtime.worker.input_batch).
+    block_table_width_multiple = 16
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)

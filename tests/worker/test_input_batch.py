@@ -72,6 +72,13 @@ def check_inputs(batch: InputBatch, so: SchedulerOutput, refs: dict[str, Referen
         slots += [ref.blocks[p // BLOCK] * BLOCK + p % BLOCK for p in span]
         sample.append(span.stop >= len(ref.tokens))
         assert inputs.block_table[i, : len(ref.blocks)].tolist() == ref.blocks
+    # The compact table covers the longest request, in whole multiples of the backend's width (a Triton kernel
+    # compiles again for a row stride of another class of divisibility).
+    if so.num_scheduled_tokens:
+        longest = max(len(refs[r].blocks) for r in so.num_scheduled_tokens)
+        width = inputs.block_table.shape[1]
+        assert width % batch.width_multiple == 0 and inputs.block_table.stride(0) % batch.width_multiple == 0
+        assert longest <= width < longest + batch.width_multiple
     assert inputs.positions.tolist() == positions
     assert inputs.input_ids.tolist() == input_ids  # newest tokens forwarded from the device included
     assert inputs.slot_mapping.tolist() == slots
@@ -80,10 +87,12 @@ def check_inputs(batch: InputBatch, so: SchedulerOutput, refs: dict[str, Referen
     return inputs
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_row_arrays_match_a_per_request_model(seed):
+@pytest.mark.parametrize("seed,width_multiple", [(seed, 1) for seed in range(6)] + [(seed, 16) for seed in range(2)])
+def test_row_arrays_match_a_per_request_model(seed, width_multiple):
     rng = random.Random(seed)
     batch = InputBatch(MAX_REQS, MAX_LEN, BLOCK, torch.device("cpu"), max_num_tokens=MAX_REQS * MAX_LEN)
+    assert batch.max_blocks == 16  # the full-width table of the decode graphs: 64 / 4 blocks, a multiple of 16
+    batch.width_multiple = width_multiple
     refs: dict[str, Reference] = {}
     running: list[Reference] = []
     finished: set[str] = set()
@@ -160,3 +169,28 @@ def test_lookup_is_reused_only_while_the_requests_stay():
     batch.update_states(SchedulerOutput([NewRequestData("a", [3], [], SamplingParams(), [5], 0)], CachedRequestData(), {"a": 1}, 1))
     states, rows, _ = batch.lookup(["a", "b"])
     assert states[0] is batch.requests["a"] and np.array_equal(rows, [batch.requests["a"].row, batch.requests["b"].row])
+
+
+def test_tables_of_whole_multiples_of_16_columns_give_the_same_tokens(tmp_path, monkeypatch):
+    """The model runner takes the attention backend's ``block_table_width_multiple`` (the Triton backend asks
+    for 16): the padded columns, never read past a request's length, change no token."""
+    from runtime import LLM, SamplingParams
+    from runtime.testing.models import build_untokenized_model
+    from runtime_cpu.attention import CPUPagedAttentionBackend
+
+    path = build_untokenized_model("llama", tmp_path / "llama")
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def generate():
+        llm = LLM(path, dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=32)
+        batch = llm.llm_engine.engine_core.executor.worker.model_runner.input_batch
+        tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+        return batch.width_multiple, batch.max_blocks % 16, tokens
+
+    multiple, remainder, plain = generate()
+    assert (multiple, remainder) == (1, 0)
+    monkeypatch.setattr(CPUPagedAttentionBackend, "block_table_width_multiple", 16, raising=False)
+    multiple, remainder, padded = generate()
+    assert (multiple, remainder) == (16, 0)
+    assert padded == plain

@@ -27,6 +27,7 @@ import torch
 from runtime.attention.backend import AttentionMetadata
 from runtime.distributed import get_parallel_state
 from runtime.forward_context import set_forward_context
+from runtime.worker.input_batch import table_width
 from runtime.sample.filters import random_sample
 
 
@@ -62,7 +63,7 @@ def pass_metadata(backend, rows: PassRows, block_table: np.ndarray, block_size: 
     seq_lens = (rows.starts + rows.counts).astype(np.int32)
     table_rows = rows.rows[owner]
     slots = block_table[table_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    width = int(-(-int(seq_lens.max()) // block_size))
+    width = table_width(int(seq_lens.max()), block_size, getattr(backend, "block_table_width_multiple", 1))
     metadata = AttentionMetadata(
         num_reqs=num_reqs,
         num_tokens=num_tokens,

@@ -20,6 +20,19 @@ from runtime.messages import SchedulerOutput
 from runtime.worker.buffers import StepBuffers
 from runtime.worker.graphs import GraphShape
 
+# Triton compiles a kernel again for each class of an integer argument it meets (divisible by 16, equal to 1,
+# neither), and the block table's row stride is an argument of the attention kernels. So the tables have rows of
+# a multiple of TABLE_WIDTH_MULTIPLE blocks: the full-width one the decode graphs read always, a step's compact one
+# when the attention backend asks (``block_table_width_multiple``). Widths that followed each step's longest request
+# compiled the kernel inside W2's first mixed steps, ~2 s a time on an H200 (benchmarks/RESULTS.md, session 31).
+TABLE_WIDTH_MULTIPLE = 16
+
+
+def table_width(max_seq_len: int, block_size: int, multiple: int = 1) -> int:
+    """Columns of a block table covering ``max_seq_len`` tokens: whole blocks, rounded up to ``multiple``."""
+    blocks = -(-max_seq_len // block_size)
+    return -(-blocks // multiple) * multiple
+
 
 @dataclass(slots=True)
 class CachedRequestState:
@@ -71,7 +84,8 @@ class InputBatch:
         self.block_size = block_size
         self.device = device
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = table_width(max_model_len, block_size, TABLE_WIDTH_MULTIPLE)
+        self.width_multiple = 1  # of a step's compact table; the attention backend's block_table_width_multiple
         self.buffers = StepBuffers(max_num_reqs, max(max_num_tokens, max_num_reqs), self.max_blocks, device)
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, self.max_blocks), dtype=np.int32)
@@ -192,7 +206,7 @@ class InputBatch:
         b.query_start_loc.np[num_reqs + 1 : reqs_out + 1] = num_tokens
         b.seq_lens.np[:num_reqs] = seq_lens
         b.seq_lens.np[num_reqs:reqs_out] = 0
-        width = int(-(-seq_lens.max() // self.block_size)) if num_reqs else 0
+        width = table_width(int(seq_lens.max()), self.block_size, self.width_multiple) if num_reqs else 0
         b.block_table_flat.np[: num_reqs * width].reshape(num_reqs, width)[:] = self.block_table[rows, :width]
         input_ids = b.input_ids.upload(tokens_out)
         if forward is not None:  # newest tokens still on the device: copy them in place

@@ -86,6 +86,7 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(
             self.config.device_config.attention_backend, self.platform, mc.dtype, head_size
         )
+        self.input_batch.width_multiple = getattr(self.attn_backend, "block_table_width_multiple", 1)
         cache_dtype = self.config.cache_config.cache_dtype
         if cache_dtype != "auto" and not getattr(self.attn_backend, "supports_fp8_kv_cache", False):
             raise ValueError(
