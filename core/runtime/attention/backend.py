@@ -30,7 +30,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, token offsets of each request
     seq_lens: torch.Tensor  # [num_reqs] int32, KV length of each request after this step
-    block_table: torch.Tensor  # [num_reqs, max_num_blocks] int32, physical block ids
+    block_table: torch.Tensor  # [num_reqs, width] int32, physical block ids (width: see block_table_width_multiple)
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV slot of each new token
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1] int32
     seq_lens_cpu: np.ndarray  # [num_reqs] int32
@@ -72,6 +72,12 @@ class AttentionBackend(Protocol):
     as it reads). The shape and the bytes a block owns stay the same, so block copies work
     unchanged; the name keeps blocks of different orders apart where they outlive the
     process (the KV offload disk tier).
+
+    ``block_table_width_multiple`` (int, default 1): ``metadata.block_table`` has a whole
+    multiple of this many columns (those past a request's blocks hold any valid id). A
+    backend whose kernels are compiled per class of their integer arguments (Triton's, by
+    divisibility by 16) asks for 16, so that the table's row stride does not compile them
+    again whenever the step's longest request changes.
 
     Optional methods for platforms that compile decode steps (``compiles_graphs``): a
     backend with ``traced_decode_inputs(metadata)`` and ``traced_decode(layer, query, key,
