@@ -35,7 +35,7 @@ import torch
 from runtime.structured_output import GuidedKind, SlotBitmask
 from runtime_outlines.grammar import CompiledSpec, OutlinesGrammar
 from runtime_outlines.masks import MaskTable
-from runtime_outlines.numbers import bounded_number_regex, replace_subschemas
+from runtime_outlines.numbers import bounded_number_regex, replace_subschemas, subschema_depth
 from runtime_outlines.vocabulary import get_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,10 @@ JSON_OBJECT_DEPTH = 2
 # Depth of the generic regex for an object of any fields inside a schema (a tool without
 # parameters in a tool-calling schema): its values are scalars or flat objects/arrays.
 NESTED_JSON_OBJECT_DEPTH = 2
+# Deeper schemas are refused before outlines-core sees them: its regex doubles with each level of
+# nested arrays (an item appears twice), so a schema 60 arrays deep asked for memory until the engine
+# process was killed (a fuzzed request, session 31), and 12 levels already take ~20 s to compile.
+MAX_SCHEMA_DEPTH = 16
 
 SUPPORTED_KINDS = "json, regex, choice and json_object"
 
@@ -181,6 +185,12 @@ class OutlinesBackend:
             return json_object_regex(self.whitespace_pattern)
         if not isinstance(schema, dict):
             raise ValueError(f"the JSON schema must be an object, got {type(schema).__name__}")
+        depth = subschema_depth(schema)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"the JSON schema nests sub-schemas {depth} levels deep; the outlines backend compiles at most "
+                f"{MAX_SCHEMA_DEPTH} (its automaton grows exponentially with nesting)"
+            )
         if _is_generic_object(schema):
             return json_object_regex(self.whitespace_pattern)  # outlines-core's generic object is huge
         generic_object = json_object_regex(self.whitespace_pattern, NESTED_JSON_OBJECT_DEPTH)

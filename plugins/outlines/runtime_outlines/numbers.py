@@ -338,3 +338,20 @@ def replace_subschemas(schema: Any, regex_for, used_text: str = "") -> tuple[Any
         return out
 
     return rewrite(schema), regexes
+
+
+def subschema_depth(schema: Any) -> int:
+    """Levels of sub-schemas in ``schema`` (the root alone: 1), through the keys that
+    :func:`replace_subschemas` follows; ``$ref`` targets are not followed. Iterative, so a
+    schema nested thousands deep is measured rather than overflowing the stack."""
+    deepest, stack = 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        deepest = max(deepest, depth)
+        children = [node[key] for key in _SCHEMA_KEYS if isinstance(node.get(key), dict)]
+        children += [item for key in _SCHEMA_LIST_KEYS if isinstance(node.get(key), list) for item in node[key]]
+        children += [sub for key in _SCHEMA_MAP_KEYS if isinstance(node.get(key), dict) for sub in node[key].values()]
+        stack.extend((child, depth + 1) for child in children)
+    return deepest

@@ -366,6 +366,30 @@ def test_bad_specs_raise_value_error(smollm2_backend, kind, spec, message):
         smollm2_backend.compile(kind, spec)
 
 
+def nested(kind: str, levels: int) -> str:
+    """A schema ``levels`` sub-schemas deep: arrays of arrays, or objects holding one object each."""
+    inner: dict = {"type": "integer"}
+    for _ in range(levels - 1):
+        inner = ({"type": "array", "items": inner, "maxItems": 2} if kind == "array"
+                 else {"type": "object", "properties": {"a": inner}, "required": ["a"]})
+    return json.dumps(inner)
+
+
+def test_schemas_nested_too_deep_are_refused_before_outlines_core(smollm2_backend):
+    """outlines-core's regex doubles with each level of nested arrays: a schema 60 arrays deep (a
+    fuzzed request) asked for memory until the engine process was killed. Such schemas get a
+    ValueError (HTTP 400) at once; 16 levels still compile."""
+    from runtime_outlines.backend import MAX_SCHEMA_DEPTH
+
+    for kind in ("array", "object"):
+        with pytest.raises(ValueError, match=f"nests sub-schemas {MAX_SCHEMA_DEPTH + 1} levels deep"):
+            smollm2_backend.compile(GuidedKind.JSON, nested(kind, MAX_SCHEMA_DEPTH + 1))
+    with pytest.raises(ValueError, match="nests sub-schemas 61 levels deep"):
+        smollm2_backend.compile(GuidedKind.JSON, nested("array", 61))
+    grammar = smollm2_backend.compile(GuidedKind.JSON, nested("object", MAX_SCHEMA_DEPTH))
+    assert not grammar.is_terminated()
+
+
 def test_anchors_and_escapes(smollm2_backend, smollm2_tokenizer):
     enc = lambda text: smollm2_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     grammar = smollm2_backend.compile(GuidedKind.REGEX, "^ab+$")
