@@ -211,6 +211,18 @@ def test_prompt_forms_and_echo(client, hf):
     assert echoed.text == a + single_a
     assert echoed.logprobs.token_logprobs[0] is None  # the first prompt token has none
     assert len(echoed.logprobs.tokens) == len(tokenizer.encode(a)) + MAX_TOKENS
+    # text_offset: each token's position in the text (prompt tokens included with echo)
+    tokens, offsets = echoed.logprobs.tokens, echoed.logprobs.text_offset
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert offsets[len(tokenizer.encode(a))] == len(a)
+    # Characters split over tokens (each part shows a replacement character, so the parts are longer than
+    # the text they make): the offsets still never go backwards, streamed or not (a fuzzed request, session 31).
+    split = "\U0001f389\U0001f389 hi"
+    whole = complete(client, split, echo=True, logprobs=0).choices[0].logprobs.text_offset
+    streamed = [o for chunk in complete(client, split, echo=True, logprobs=0, stream=True) if chunk.choices
+                and chunk.choices[0].logprobs for o in chunk.choices[0].logprobs.text_offset]
+    for got in (whole, streamed):
+        assert len(got) == len(tokenizer.encode(split)) + MAX_TOKENS and got == sorted(got)
 
 
 def test_max_tokens_variants(client):

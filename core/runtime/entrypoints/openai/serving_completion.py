@@ -87,9 +87,12 @@ class OpenAIServingCompletion(OpenAIServing):
         prefix = self._prompt_text(final) if request.echo else ""
         if request.logprobs is not None:
             logprobs = CompletionLogprobs()
+            tokens_end = 0  # see _stream_choice: offsets never go backwards
             if request.echo:
-                self._add_logprobs(logprobs, final.prompt_token_ids, final.prompt_logprobs, request.logprobs, 0)
-            self._add_logprobs(logprobs, output.token_ids, output.logprobs, request.logprobs, len(prefix))
+                tokens_end = self._add_logprobs(logprobs, final.prompt_token_ids, final.prompt_logprobs,
+                                                request.logprobs, 0)
+            self._add_logprobs(logprobs, output.token_ids, output.logprobs, request.logprobs,
+                               max(len(prefix), tokens_end))
         return CompletionChoice(
             index=prompt_index * request.n + output.index,
             text=prefix + text,
@@ -160,18 +163,22 @@ class OpenAIServingCompletion(OpenAIServing):
         """The streamed choice (a dict as ``CompletionChoice`` dumps) of one new output; None for nothing new."""
         text = completion.text
         logprobs = None
+        # Offsets are positions in the text, except that tokens holding part of a character each show a
+        # replacement character, and so may count more than the text does: offsets never go backwards.
         offset = offsets.get(index, 0)
+        tokens_end = offset
         if first and request.echo:
             prefix = self._prompt_text(output)
             if request.logprobs is not None:
                 logprobs = CompletionLogprobs()
-                self._add_logprobs(logprobs, output.prompt_token_ids, output.prompt_logprobs, request.logprobs, 0)
+                tokens_end = self._add_logprobs(logprobs, output.prompt_token_ids, output.prompt_logprobs,
+                                                request.logprobs, 0)
             text = prefix + text
-            offset = len(prefix)
+            offset = max(len(prefix), tokens_end)
         if request.logprobs is not None and completion.token_ids:
             logprobs = logprobs or CompletionLogprobs()
-            self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, request.logprobs, offset)
-        offsets[index] = offset + len(completion.text)
+            tokens_end = self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, request.logprobs, offset)
+        offsets[index] = max(offset + len(completion.text), tokens_end)
         has_ids = request.return_token_ids and completion.token_ids
         if not text and logprobs is None and completion.finish_reason is None and not has_ids:
             return None
