@@ -27,8 +27,8 @@ import torch
 from runtime.attention.backend import AttentionMetadata
 from runtime.distributed import get_parallel_state
 from runtime.forward_context import set_forward_context
-from runtime.worker.input_batch import table_width
 from runtime.sample.filters import random_sample
+from runtime.worker.input_batch import table_width
 
 
 @dataclass(slots=True)
