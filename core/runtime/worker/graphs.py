@@ -141,16 +141,26 @@ class DecodeGraphs:
             self.compiled = None
 
     def warm_up_prefill(self, num_tokens: int) -> None:
-        """One eager step with a decode and a prefill chunk, in the order a mixed step has them (the chunk
-        alone when the buffers hold one request, ``--max-num-seqs 1``), caching nothing.
+        """Eager steps with a decode and a prefill chunk, in the order a mixed step has them (the chunk
+        alone when the buffers hold one request, ``--max-num-seqs 1``), caching nothing: chunks of 2, 4,
+        8, ... queries up to ``num_tokens``.
 
-        Compiles the kernel variants of mixed batches now rather than inside the first timed
-        requests, including a backend's own launches for the decodes that lead a mixed step
-        (decode-only variants are compiled by the graph warm-ups).
+        Compiles the kernel variants of mixed batches now rather than inside the first requests,
+        including a backend's own launches for the decodes that lead a mixed step (decode-only
+        variants are compiled by the graph warm-ups). Backends pick their launch shapes from the
+        longest query in powers of two (the Triton attention's score rows), so doubling the chunk
+        meets every shape a step of at most ``num_tokens`` queries can take.
         """
+        num_tokens = max(2, min(num_tokens, self.buffers.input_ids.host.shape[0] - 1, self.max_model_len - 1))
+        query_len = 2
+        while query_len < num_tokens:
+            self._warm_up_mixed_step(query_len)
+            query_len *= 2
+        self._warm_up_mixed_step(num_tokens)
+
+    def _warm_up_mixed_step(self, num_tokens: int) -> None:
         b = self.buffers
         num_reqs = min(2, b.query_start_loc.host.shape[0] - 1)
-        num_tokens = max(2, min(num_tokens, b.input_ids.host.shape[0] - 1, self.max_model_len - 1))
         decodes = num_reqs - 1  # 0 or 1
         total = num_tokens + decodes
         b.input_ids.host[:total] = 0
