@@ -132,6 +132,10 @@ class EngineArgs:
     structured_output_compile_timeout: float = _arg(
         60.0, "seconds a request's grammar may take to compile (from its arrival) before the request fails",
     )
+    structured_output_compile_memory_bytes: int = _arg(
+        4 << 30, "bytes of memory one grammar compile may take (backends that compile in a child process, e.g. "
+        "outlines); a spec that needs more fails its request",
+    )
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -162,6 +166,9 @@ def _check_numbers(args: EngineArgs) -> None:
         value = getattr(args, name)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise _fail(name, value, "a positive integer or unset")
+    memory = args.structured_output_compile_memory_bytes
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1 << 20:
+        raise _fail("structured_output_compile_memory_bytes", memory, "an integer number of bytes, at least 1 MiB")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise _fail("gpu_memory_utilization", args.gpu_memory_utilization, "in (0, 1]")
     timeout = args.structured_output_compile_timeout
@@ -384,5 +391,6 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             "num_speculative_tokens": speculative_config["num_speculative_tokens"] if speculative_config else 0,
             "guided_decoding_backend": default_guided_backend(args.guided_decoding_backend),
             "structured_output_compile_timeout": args.structured_output_compile_timeout,
+            "structured_output_compile_memory_bytes": args.structured_output_compile_memory_bytes,
         },
     )

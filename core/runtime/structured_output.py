@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GuidedKind(str, enum.Enum):
@@ -44,6 +46,8 @@ class GuidedKind(str, enum.Enum):
 def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """``[num_rows, ceil(vocab_size / 32)]`` int32, every token allowed: bit ``t % 32`` of word
     ``t // 32`` is set when token ``t`` may be sampled."""
+    import torch
+
     return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
@@ -80,6 +84,25 @@ class GuidedBackend(Protocol):
 
     def compile(self, kind: GuidedKind, spec: str) -> Grammar:
         """A fresh grammar for ``spec``; raise ValueError naming the problem for a bad spec."""
+
+
+@runtime_checkable
+class IsolatedCompileBackend(GuidedBackend, Protocol):
+    """A :class:`GuidedBackend` whose expensive part of a compile can run in another process
+    (optional): the engine then runs it in a child process under a memory limit, killed at the
+    compile's time limit (see :mod:`runtime.scheduler.grammar_sandbox`), so that no spec can
+    exhaust the engine's memory or keep a compile running past its limit.
+
+    ``compile(kind, spec)`` must equal ``load_compiled(kind, spec, isolated_compiler()(kind, spec))``.
+    """
+
+    def isolated_compiler(self) -> Callable[[str, str], object]:
+        """A picklable callable ``(kind value, spec) -> artifact`` (picklable too), raising ValueError
+        naming the problem for a bad spec. It is unpickled in a fresh Python process, so its module
+        should import little (not torch): the process starts again after a compile is killed."""
+
+    def load_compiled(self, kind: GuidedKind, spec: str, artifact: object) -> Grammar:
+        """The grammar of ``spec`` from the artifact its isolated compile returned (cheap)."""
 
 
 def fill_bitmask_batch(backend: object, grammars: Sequence[Grammar], bitmask: torch.Tensor) -> None:
@@ -135,6 +158,8 @@ def gather_slot_rows(table: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
     out = np.full((len(slots), table.shape[1]), -1, dtype=np.int32)
     live = slots >= 0
     out[live] = table.numpy()[slots[live]]
+    import torch
+
     return torch.from_numpy(out)
 
 
@@ -205,6 +230,6 @@ def _same(value):
 def resolve_bitmask(bitmask: torch.Tensor | DeferredBitmask, slots_ok: bool = False) -> torch.Tensor | SlotBitmask:
     """The filled value of a step's ``grammar_bitmask`` (a tensor, or a :class:`DeferredBitmask`):
     a tensor, or a :class:`SlotBitmask` where ``slots_ok`` and the backend gives slots."""
-    if isinstance(bitmask, torch.Tensor):
+    if not isinstance(bitmask, DeferredBitmask):  # a tensor
         return bitmask
     return bitmask.value(slots_ok) if slots_ok else bitmask.tensor()

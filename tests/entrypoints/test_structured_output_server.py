@@ -25,6 +25,7 @@ MODEL = "smollm2"
 FLAGS = [
     "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "1024",
     "--served-model-name", MODEL, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--structured-output-compile-memory-bytes", str(1 << 30),
 ]
 MAX_TOKENS = 200
 GREEDY = dict(model=MODEL, temperature=0.0, max_tokens=MAX_TOKENS)
@@ -344,6 +345,22 @@ def test_bad_requests_are_400s_and_the_server_keeps_serving(server, client):
     with pytest.raises(openai.BadRequestError, match="'nope', which is not among the tools; valid: get_weather, add"):
         client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}},
                                        model=MODEL)
+    out = client.chat.completions.create(messages=ASK, extra_body={"guided_choice": CHOICES}, **GREEDY)
+    assert out.choices[0].message.content in CHOICES
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_spec_past_the_compile_memory_limit_is_a_400(server, client):
+    """outlines-core asks for 1 GiB at once to compile ``a{99999999}``: the compile's child process runs out of its
+    limit (the server's 1 GiB), the request gets a 400 naming it, and the engine keeps serving (before the grammar
+    sandbox, such a compile grew the engine process until it was killed)."""
+    for _ in range(2):  # the second time from the cache of bad specs
+        response = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 3, "guided_regex": "a{99999999}"})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "needed more than 1 GiB of memory (structured_output_compile_memory_bytes)" in error["message"], error
     out = client.chat.completions.create(messages=ASK, extra_body={"guided_choice": CHOICES}, **GREEDY)
     assert out.choices[0].message.content in CHOICES
     assert httpx.get(server.url + "/health").status_code == 200

@@ -248,4 +248,6 @@ def make_structured_output_manager(config: EngineConfig) -> StructuredOutputMana
         tokenizer = get_tokenizer(model_config.resolved)
         return get_registry("guided_backend").create(name, tokenizer, model_config.vocab_size)
 
-    return StructuredOutputManager(build_backend, model_config.vocab_size, config.plugin_options["structured_output_compile_timeout"])
+    options = config.plugin_options
+    return StructuredOutputManager(build_backend, model_config.vocab_size, options["structured_output_compile_timeout"],
+                                   options["structured_output_compile_memory_bytes"])

@@ -7,6 +7,12 @@ vocabulary) and gives each request its own :meth:`Grammar.fork`. A compile that 
 that is still running when the request's time limit passes, fails that request with a
 ValueError naming the problem; the engine goes on with the others.
 
+A backend with an isolated compiler (:class:`runtime.structured_output.IsolatedCompileBackend`,
+e.g. outlines) compiles in child processes instead (:mod:`runtime.scheduler.grammar_sandbox`):
+each compile may use ``structured_output_compile_memory_bytes`` of memory and is killed at the
+time limit, so no spec can take the engine's memory or a compile thread for good. The cache of
+compiled grammars is bounded by their size as well as their number.
+
 Each step, :meth:`StructuredOutputManager.grammar_bitmask` gives the scheduled constrained
 requests their bitmask rows, to be filled with their grammars' allowed next tokens when the
 model runner asks for them: after it has queued the step's forward pass, so that the host
@@ -29,13 +35,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from runtime.scheduler.grammar_sandbox import GrammarSandbox
     from runtime.scheduler.request import Request
     from runtime.structured_output import DeferredBitmask, Grammar, GuidedBackend
 
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+CACHE_BYTES = 2 << 30  # and at most this much of isolated compiles' artifacts (their pickled size)
 NUM_COMPILE_THREADS = 2
+DEFAULT_COMPILE_MEMORY_BYTES = 4 << 30
 
 
 class RequestGrammar:
@@ -52,20 +61,38 @@ class RequestGrammar:
         self.ended = False  # the grammar completed on a content token and so ended the request
 
 
+def _reusable(future: concurrent.futures.Future) -> bool:
+    """A cached compile to join: running, compiled, or failed on a bad spec (it would fail the same
+    way again); not one cancelled or failed in a way that may not repeat (a time limit, a backend error)."""
+    if future.cancelled():
+        return False
+    return not future.done() or future.exception() is None or isinstance(future.exception(), ValueError)
+
+
+def _artifact_bytes(future: concurrent.futures.Future) -> int:
+    """The size of a compiled grammar's artifact (0 while compiling, failed, or compiled in process)."""
+    return future.result()[1] if future.done() and not future.cancelled() and future.exception() is None else 0
+
+
 class StructuredOutputManager:
     """Compiles grammars in a thread pool, caches them by (kind, spec), fills bitmasks.
 
     ``backend_factory()`` builds the :class:`GuidedBackend` (called once, in the pool);
-    ``vocab_size`` is the width of the model's logits.
+    ``vocab_size`` is the width of the model's logits; ``compile_memory`` the bytes an isolated
+    compile may use.
     """
 
-    def __init__(self, backend_factory: Callable[[], GuidedBackend], vocab_size: int, compile_timeout: float):
+    def __init__(self, backend_factory: Callable[[], GuidedBackend], vocab_size: int, compile_timeout: float,
+                 compile_memory: int = DEFAULT_COMPILE_MEMORY_BYTES):
         self.vocab_size = vocab_size
         self.compile_timeout = compile_timeout
+        self.compile_memory = compile_memory
         self._backend_factory = backend_factory
         self._backend: GuidedBackend | None = None
+        self._sandbox: GrammarSandbox | None = None  # set with the backend when it compiles in isolation
         self._backend_lock = threading.Lock()
         self._pool = self._new_pool()
+        # (kind, spec) -> future of (grammar, artifact bytes: 0 unless compiled in isolation)
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         # Compiles of the current pool still running past a request's time limit. A thread cannot
         # be stopped, so once they hold every thread of the pool, new compiles go to a new pool.
@@ -80,28 +107,54 @@ class StructuredOutputManager:
         """Start (or join) the compile of (kind, spec) for one request."""
         key = (kind, spec)
         future = self._cache.get(key)
-        if future is None or future.cancelled():
-            future = self._pool.submit(self._compile, kind, spec)
+        deadline = time.monotonic() + self.compile_timeout
+        if future is None or not _reusable(future):
+            future = self._pool.submit(self._compile, kind, spec, deadline)
             self._cache[key] = future
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._evict()
         else:
             self._cache.move_to_end(key)
-        return RequestGrammar(kind, spec, future, time.monotonic() + self.compile_timeout)
+        return RequestGrammar(kind, spec, future, deadline)
 
-    def _compile(self, kind: str, spec: str) -> Grammar:
+    def _evict(self) -> None:
+        """Drop the least recently used grammars past CACHE_SIZE of them or CACHE_BYTES of artifacts
+        (requests holding a fork keep theirs)."""
+        total = sum(map(_artifact_bytes, self._cache.values()))
+        while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or total > CACHE_BYTES):
+            _, future = self._cache.popitem(last=False)
+            total -= _artifact_bytes(future)
+
+    def _compile(self, kind: str, spec: str, deadline: float) -> tuple[Grammar, int]:
         from runtime.structured_output import GuidedKind
 
         start = time.perf_counter()
         backend = self._get_backend()
-        grammar = backend.compile(GuidedKind(kind), spec)
+        if self._sandbox is None:
+            grammar, size = backend.compile(GuidedKind(kind), spec), 0
+        else:
+            from runtime.scheduler.grammar_sandbox import CompileTimeout
+
+            try:
+                artifact, size = self._sandbox.compile(kind, spec, deadline)
+            except CompileTimeout:
+                raise TimeoutError(self._timeout_message(kind)) from None
+            grammar = backend.load_compiled(GuidedKind(kind), spec, artifact)
         logger.info("compiled a %s grammar in %.2f s", kind, time.perf_counter() - start)
-        return grammar
+        return grammar, size
+
+    def _timeout_message(self, kind: str) -> str:
+        return (f"compiling the {kind} grammar took longer than {self.compile_timeout:g} s "
+                "(structured_output_compile_timeout); simplify the schema or raise the limit")
 
     def _get_backend(self) -> GuidedBackend:
         with self._backend_lock:
             if self._backend is None:
-                self._backend = self._backend_factory()
+                backend = self._backend_factory()
+                if callable(getattr(backend, "isolated_compiler", None)):
+                    from runtime.scheduler.grammar_sandbox import GrammarSandbox
+
+                    self._sandbox = GrammarSandbox(backend.isolated_compiler(), self.compile_memory)
+                self._backend = backend
             return self._backend
 
     def poll(self, request_grammar: RequestGrammar) -> bool:
@@ -118,20 +171,20 @@ class StructuredOutputManager:
         if not future.done():
             if time.monotonic() < request_grammar.deadline:
                 return False
-            self._note_overdue(future)
-            raise ValueError(
-                f"compiling the {request_grammar.kind} grammar took longer than {self.compile_timeout:g} s "
-                "(structured_output_compile_timeout); simplify the schema or raise the limit"
-            )
+            if self._sandbox is None:  # an isolated compile is killed at the deadline: it frees its thread
+                self._note_overdue(future)
+            raise ValueError(self._timeout_message(request_grammar.kind))
         error = future.exception()
         if error is not None:
             self._forget(request_grammar, future)
+            if isinstance(error, TimeoutError):
+                raise ValueError(str(error)) from None
             if isinstance(error, ValueError):
                 raise ValueError(f"invalid {request_grammar.kind} for structured output: {error}") from None
             raise ValueError(
                 f"the guided decoding backend failed on this {request_grammar.kind}: {type(error).__name__}: {error}"
             ) from None
-        request_grammar.grammar = future.result().fork()
+        request_grammar.grammar = future.result()[0].fork()
         return True
 
     def _note_overdue(self, future: concurrent.futures.Future) -> None:
@@ -241,3 +294,5 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._sandbox is not None:
+            self._sandbox.close()

@@ -1,145 +1,29 @@
-"""The ``outlines`` guided backend: specs -> regular expressions -> outlines-core indexes.
-
-Every kind becomes one regular expression that the whole output must match (JSON schemas
-through outlines-core's ``build_regex_from_schema``, choices as an escaped alternation, any
-JSON object through a bounded-depth generic regex). Compiling builds the outlines-core
-``Index`` (the token-level automaton over the tokenizer's vocabulary), the expensive part;
-each request then walks its own :class:`OutlinesGrammar` over the shared index.
-
-Before outlines-core sees a JSON schema, sub-schemas it gets wrong or makes huge are swapped
-for placeholder consts whose literal is then replaced in its regex by our own: bounded
-``integer``/``number`` schemas (outlines-core 0.2.14 ignores minimum/maximum; see
-:mod:`runtime_outlines.numbers`; ``multipleOf`` stays unenforced) and nested any-field objects
-(``{"type": "object"}``, e.g. a tool without parameters), which get the bounded-depth generic
-object regex.
-
-Compile time is the automaton's state count times the vocabulary (outlines-core walks every
-token from every state: ~1 ms per state for SmolLM2's 49k tokens on a loaded CPU). Bounded
-strings cost ~10 states per allowed character (UTF-8), and array items appear twice in the
-regex (``item(,item)*``, the DFA is not minimized). A top-level string with a maxLength over
-~15 is pathological in outlines-core 0.2.14 (its DFA also determinizes the unanchored start,
-which is exponential in the bound for ``"`` followed by escaped quotes).
+"""The ``outlines`` guided backend: specs -> regular expressions -> outlines-core indexes
+(:mod:`runtime_outlines.compiler`, which the engine runs in its grammar sandbox), each request
+walking its own :class:`OutlinesGrammar` over the shared index, every grammar's bitmask rows
+kept in one table (:class:`MaskTable`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import re
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from runtime.structured_output import GuidedKind, SlotBitmask
+from runtime_outlines.compiler import DEFAULT_WHITESPACE, CompiledIndex, SpecCompiler
 from runtime_outlines.grammar import CompiledSpec, OutlinesGrammar
 from runtime_outlines.masks import MaskTable
-from runtime_outlines.numbers import bounded_number_regex, replace_subschemas, subschema_depth
 from runtime_outlines.vocabulary import get_vocabulary
 
 logger = logging.getLogger(__name__)
 
-# Whitespace allowed between JSON tokens: at most one space or newline. An unbounded pattern
-# (``[ \n\t]*``) lets small models emit whitespace forever, and pretty-printing indentation
-# multiplies the automaton's states; compact or one-line JSON always fits.
-DEFAULT_WHITESPACE = r"[ \n]?"
-# Nesting depth of the generic regex for ``json_object`` (object -> values -> nested objects
-# or arrays -> their values are scalars). Each level multiplies the automaton's states.
-JSON_OBJECT_DEPTH = 2
-# Depth of the generic regex for an object of any fields inside a schema (a tool without
-# parameters in a tool-calling schema): its values are scalars or flat objects/arrays.
-NESTED_JSON_OBJECT_DEPTH = 2
-# Deeper schemas are refused before outlines-core sees them: its regex doubles with each level of
-# nested arrays (an item appears twice), so a schema 60 arrays deep asked for memory until the engine
-# process was killed (a fuzzed request, session 31), and 12 levels already take ~20 s to compile.
-MAX_SCHEMA_DEPTH = 16
-
-SUPPORTED_KINDS = "json, regex, choice and json_object"
-
-# Characters with a meaning in Rust regex syntax (regex-syntax's meta characters).
-_RUST_META = set("\\.+*?()|[]{}^$#&-~")
-
-
-def escape_regex(text: str) -> str:
-    """``text`` as a literal in Rust regex syntax (outlines-core's regex engine)."""
-    out = []
-    for ch in text:
-        if ch in _RUST_META:
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\x{ord(ch):02X}")  # valid in Rust and Python regex syntax
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
-def json_object_regex(whitespace: str = DEFAULT_WHITESPACE, depth: int = JSON_OBJECT_DEPTH) -> str:
-    """Any JSON object whose values nest at most ``depth`` objects/arrays deep (outlines-core's
-    own regex for ``{"type": "object"}`` takes seconds to compile and gigabytes of memory)."""
-    ws = f"(?:{whitespace})"
-    string = r'"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
-    number = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
-    value = f"(?:{string}|{number}|true|false|null)"
-
-    def obj(inner: str) -> str:
-        member = f"{string}{ws}:{ws}{inner}"
-        return rf"\{{{ws}(?:{member}(?:{ws},{ws}{member})*)?{ws}\}}"
-
-    def arr(inner: str) -> str:
-        return rf"\[{ws}(?:{inner}(?:{ws},{ws}{inner})*)?{ws}\]"
-
-    for _ in range(depth - 1):
-        value = f"(?:{value}|{obj(value)}|{arr(value)})"
-    return obj(value)
-
-
-def _strip_anchors(regex: str) -> str:
-    """Drop a leading ``^`` / trailing ``$``: the whole output must match anyway, and
-    outlines-core's DFA has no start state for anchored patterns."""
-    if regex.startswith("^"):
-        regex = regex[1:]
-    if regex.endswith("$"):
-        backslashes = len(regex[:-1]) - len(regex[:-1].rstrip("\\"))
-        if backslashes % 2 == 0:  # not an escaped \$
-            regex = regex[:-1]
-    return regex
-
-
-_UNSUPPORTED_FEATURES = (
-    (re.compile(r"(?<!\\)\(\?<?[=!]"), "lookaround assertions ((?=...), (?!...), (?<=...), (?<!...))"),
-    (re.compile(r"(?<!\\)\\[1-9]"), "backreferences (\\1 ...)"),
-    (re.compile(r"(?<!\\)\\[bB]"), "word boundaries (\\b, \\B)"),
-    (re.compile(r"(?<!\\)\\[AzZ]|(?<![\\\[])[\^$]"), "anchors (^, $, \\A, \\z) other than at the very start and end"),
-)
-
-
-def _explain_regex_error(regex: str) -> str:
-    found = [name for pattern, name in _UNSUPPORTED_FEATURES if pattern.search(regex)]
-    if found:
-        return "; outlines-core (Rust regex syntax, compiled to a DFA) does not support " + ", ".join(found)
-    return "; check the syntax (outlines-core uses Rust regex syntax, compiled to a DFA)"
-
-
-
-_GENERIC_OBJECT_KEYS = {"type", "title", "description", "$schema", "additionalProperties", "properties"}
-
-
-def _is_generic_object(schema) -> bool:
-    """``{"type": "object"}`` with nothing that constrains its fields (annotations,
-    ``additionalProperties: true`` or ``properties: {}`` at most): any JSON object."""
-    return (
-        isinstance(schema, dict)
-        and schema.get("type") == "object"
-        and set(schema) <= _GENERIC_OBJECT_KEYS
-        and schema.get("additionalProperties", True) is True
-        and schema.get("properties", {}) == {}
-    )
-
 
 class OutlinesBackend:
     """Compiles json / regex / choice / json_object specs for one tokenizer
-    (implements ``runtime.structured_output.GuidedBackend``)."""
+    (implements ``runtime.structured_output.IsolatedCompileBackend``)."""
 
     def __init__(self, tokenizer, vocab_size: int | None = None, *, whitespace_pattern: str = DEFAULT_WHITESPACE):
         self.tokenizer = tokenizer
@@ -148,101 +32,27 @@ class OutlinesBackend:
         self.vocab = get_vocabulary(tokenizer, vocab_size)
         width = vocab_size if vocab_size is not None else len(tokenizer)
         self.masks = MaskTable((width + 31) // 32, self.vocab.end_token_id)  # rows of every spec's states
-
-    # -------------------------------------------------------------- spec -> regex
-    def to_regex(self, kind: GuidedKind | str, spec: str) -> str:
-        """The regular expression the whole output must match for ``(kind, spec)``."""
-        try:
-            kind = GuidedKind(kind)
-        except ValueError:
-            raise ValueError(f"unknown structured output kind {kind!r}; outlines supports {SUPPORTED_KINDS}") from None
-        if kind is GuidedKind.JSON:
-            return self._json_regex(spec)
-        if kind is GuidedKind.JSON_OBJECT:
-            return json_object_regex(self.whitespace_pattern)
-        if kind is GuidedKind.REGEX:
-            if not isinstance(spec, str) or not spec:
-                raise ValueError(f"the regex must be a non-empty string, got {spec!r}")
-            return _strip_anchors(spec)
-        if kind is GuidedKind.CHOICE:
-            return self._choice_regex(spec)
-        raise ValueError(
-            f"the outlines guided decoding backend supports {SUPPORTED_KINDS}, not {kind.value} "
-            "(EBNF/Lark grammars need a grammar backend such as xgrammar or llguidance)"
-        )
-
-    def _json_regex(self, spec: str) -> str:
-        from outlines_core.json_schema import build_regex_from_schema
-
-        try:
-            schema = json.loads(spec)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
-        if isinstance(schema, bool) or schema == {}:
-            # true / {}: any JSON value; an object is the useful, compilable subset.
-            if schema is False:
-                raise ValueError("the JSON schema is false: no output can match it")
-            return json_object_regex(self.whitespace_pattern)
-        if not isinstance(schema, dict):
-            raise ValueError(f"the JSON schema must be an object, got {type(schema).__name__}")
-        depth = subschema_depth(schema)
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(
-                f"the JSON schema nests sub-schemas {depth} levels deep; the outlines backend compiles at most "
-                f"{MAX_SCHEMA_DEPTH} (its automaton grows exponentially with nesting)"
-            )
-        if _is_generic_object(schema):
-            return json_object_regex(self.whitespace_pattern)  # outlines-core's generic object is huge
-        generic_object = json_object_regex(self.whitespace_pattern, NESTED_JSON_OBJECT_DEPTH)
-
-        def replacement(node: dict):
-            # What outlines-core 0.2.14 gets wrong or makes huge, as our own regexes.
-            if _is_generic_object(node):
-                return generic_object
-            return bounded_number_regex(node)
-
-        try:
-            rewritten, placeholders = replace_subschemas(schema, replacement, spec)
-        except ValueError as exc:
-            raise ValueError(f"unsupported or invalid JSON schema: {exc}") from None
-        try:
-            regex = build_regex_from_schema(json.dumps(rewritten), self.whitespace_pattern)
-        except (TypeError, ValueError) as exc:
-            message = " ".join(str(exc).split())
-            raise ValueError(f"unsupported or invalid JSON schema: {message}") from None
-        for token, sub_regex in placeholders.items():
-            # outlines-core writes a string const as its JSON text, quotes included.
-            regex = regex.replace(f'"{token}"', f"(?:{sub_regex})")
-        return regex
-
-    @staticmethod
-    def _choice_regex(spec: str) -> str:
-        try:
-            choices = json.loads(spec)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"choice must be a JSON list of strings: {exc}") from None
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-            raise ValueError(f"choice must be a non-empty list of strings, got {spec!r}")
-        # outlines-core's DFA has leftmost-first semantics: once an alternative matched, later
-        # (lower-priority) alternatives that extend it are cut off, so "a|ab" never yields "ab".
-        # Longest first keeps every choice reachable.
-        ordered = sorted(dict.fromkeys(choices), key=len, reverse=True)
-        return "(?:" + "|".join(escape_regex(c) for c in ordered) + ")"
+        self.compiler = SpecCompiler(self.vocab.vocabulary, whitespace_pattern)
 
     # -------------------------------------------------------------- compile
-    def compile(self, kind: GuidedKind | str, spec: str) -> OutlinesGrammar:
-        from outlines_core import Index
+    def to_regex(self, kind: GuidedKind | str, spec: str) -> str:
+        """The regular expression the whole output must match for ``(kind, spec)``."""
+        return self.compiler.to_regex(kind, spec)
 
-        regex = self.to_regex(kind, spec)  # checks the kind
+    def isolated_compiler(self) -> SpecCompiler:
+        """The expensive part of :meth:`compile`, for the engine's grammar sandbox
+        (``runtime.structured_output.IsolatedCompileBackend``)."""
+        return self.compiler
+
+    def load_compiled(self, kind: GuidedKind | str, spec: str, artifact: CompiledIndex) -> OutlinesGrammar:
         kind_value = GuidedKind(kind)
-        start = time.perf_counter()
-        try:
-            index = Index(regex, self.vocab.vocabulary)
-        except ValueError as exc:
-            raise ValueError(self._index_error(kind_value, spec, regex, exc)) from None
-        seconds = time.perf_counter() - start
+        regex, seconds = artifact.regex, artifact.seconds
         logger.debug("outlines: compiled a %s spec (regex of %d chars) in %.2f s", kind_value.value, len(regex), seconds)
-        return OutlinesGrammar(CompiledSpec(kind_value, regex, index, self.vocab, seconds, self.masks))
+        return OutlinesGrammar(CompiledSpec(kind_value, regex, artifact.index, self.vocab, seconds, self.masks))
+
+    def compile(self, kind: GuidedKind | str, spec: str) -> OutlinesGrammar:
+        """Compile in this process (the engine uses the sandbox instead)."""
+        return self.load_compiled(kind, spec, self.compiler(kind, spec))
 
     # -------------------------------------------------------------- a step's bitmask
     def fill_bitmask_batch(self, grammars: Sequence[OutlinesGrammar], bitmask: torch.Tensor) -> None:
@@ -268,19 +78,3 @@ class OutlinesBackend:
         result = SlotBitmask(masks.rows, masks.count, id(masks), masks.num_resets, slots)
         masks.end_fill()  # a reset starts a new table: ``result`` keeps the rows its slots name
         return result
-
-    @staticmethod
-    def _index_error(kind: GuidedKind, spec: str, regex: str, exc: Exception) -> str:
-        detail = " ".join(str(exc).split())
-        if "incompatible with the regex" in detail:
-            what = "regex" if kind is GuidedKind.REGEX else kind.value
-            return (
-                f"no sequence of this model's tokens can produce the {what}: {detail}"
-            )
-        if kind is GuidedKind.REGEX:
-            return f"the regex {_short(spec)} cannot be compiled: {detail}{_explain_regex_error(regex)}"
-        return f"the {kind.value} spec compiled to a regex outlines-core cannot use: {detail}"
-
-
-def _short(text: str, limit: int = 200) -> str:
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."

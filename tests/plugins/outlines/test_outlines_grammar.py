@@ -14,7 +14,8 @@ import torch
 from outlines_core import Guide
 
 from runtime.structured_output import Grammar, GuidedBackend, GuidedKind, allocate_token_bitmask
-from runtime_outlines.backend import OutlinesBackend, escape_regex, json_object_regex
+from runtime_outlines.backend import OutlinesBackend
+from runtime_outlines.compiler import escape_regex, json_object_regex
 
 SCHEMAS = {
     "person": {
@@ -379,7 +380,7 @@ def test_schemas_nested_too_deep_are_refused_before_outlines_core(smollm2_backen
     """outlines-core's regex doubles with each level of nested arrays: a schema 60 arrays deep (a
     fuzzed request) asked for memory until the engine process was killed. Such schemas get a
     ValueError (HTTP 400) at once; 16 levels still compile."""
-    from runtime_outlines.backend import MAX_SCHEMA_DEPTH
+    from runtime_outlines.compiler import MAX_SCHEMA_DEPTH
 
     for kind in ("array", "object"):
         with pytest.raises(ValueError, match=f"nests sub-schemas {MAX_SCHEMA_DEPTH + 1} levels deep"):
