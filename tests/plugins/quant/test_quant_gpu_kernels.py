@@ -100,6 +100,21 @@ def test_fp8_scaled_mm(scheme, rows):
     torch.testing.assert_close(out.float().cpu(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+def test_fp8_scaled_mm_accumulates_a_long_k_within_bounds():
+    """Fast accumulation (the default) over Llama-3.1-8B's down projection's K = 14,336: against the float64 product
+    of the same codes, the error is within 1 % of the outputs' size on average (H200, 2026-11-29: 0.28 %; bf16's
+    output rounding alone is ~0.1 %)."""
+    scheme = FP8_CHANNEL
+    layer = make_layer(scheme, 256, 14336, "cuda")
+    x = torch.randn(512, 14336, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+    out = gpu.fp8_scaled_mm(layer, scheme, x, None).double().cpu()
+    codes, scale_a = gpu._row_quantize(x, FP8)
+    weight = layer.weight.float().double() * layer.weight_scale.double()[:, None]
+    exact = ((codes.float().double() * scale_a.double()) @ weight.t()).cpu()
+    assert ((out - exact).abs().mean() / exact.abs().mean()).item() < 0.01
+
+
 def weight_only_reference(layer, x, bias):
     """``x`` (not quantized) times the dequantized per-row FP8 weight, float64 on the CPU."""
     weight = layer.weight.cpu().double() * layer.weight_scale.cpu().double()[:, None]
