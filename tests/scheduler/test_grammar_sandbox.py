@@ -109,3 +109,24 @@ def test_a_child_exits_when_its_parent_goes(sandbox):
     (child,) = sandbox._idle
     child.process.stdin.close()  # what the parent's death does to the pipe
     assert child.process.wait(timeout=30) == 0
+
+
+def test_a_compiler_the_child_cannot_load_fails_each_compile_clearly():
+    """A compiler whose module the child cannot import (here one that exists only in this process)."""
+    import sys
+    import types
+
+    module = types.ModuleType("ghost_compilers")
+    exec("class Ghost:\n    def __call__(self, kind, spec):\n        return spec\n", module.__dict__)
+    sys.modules["ghost_compilers"] = module
+    try:
+        box = GrammarSandbox(module.Ghost(), 64 * MIB)
+    finally:
+        del sys.modules["ghost_compilers"]
+    try:
+        for _ in range(2):
+            with pytest.raises(CompileFailed, match="grammar compile process (exited with|ended as it started).* status 1"):
+                box.compile("regex", "x", later())
+        assert box.num_processes == 0
+    finally:
+        box.close()

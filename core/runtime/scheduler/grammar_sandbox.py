@@ -100,11 +100,21 @@ class GrammarSandbox:
         with self._lock:
             if self._closed:
                 raise CompileFailed("the structured output manager is shut down")
-            child = self._idle.pop() if self._idle else None
-            if child is None:
-                child = _Child(self._compiler_frame, self.memory_limit)
+            if self._idle:
+                child = self._idle.pop()
+                self._busy.add(child)
+                return child
+        try:  # a new process, started outside the lock (it reads the compiler first)
+            child = _Child(self._compiler_frame, self.memory_limit)
+        except _ChildDied as died:
+            raise CompileFailed(f"the grammar compile process ended as it started (exit status {died.returncode})") from None
+        with self._lock:
             self._busy.add(child)
-            return child
+            closed = self._closed
+        if closed:
+            self._give_back(child, healthy=False)
+            raise CompileFailed("the structured output manager is shut down")
+        return child
 
     def _give_back(self, child: _Child, healthy: bool) -> None:
         with self._lock:
@@ -204,11 +214,16 @@ def _write_frame(stream, value) -> None:
 
 
 def _limit_address_space(extra: int) -> None:
-    """Cap this process's address space at what it maps now plus ``extra`` bytes."""
-    import resource
+    """Cap this process's address space at what it maps now plus ``extra`` bytes (Linux; elsewhere
+    the compile runs without a memory limit, still killed at its deadline)."""
+    try:
+        import resource
 
-    with open("/proc/self/statm") as f:
-        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError):
+        print("grammar sandbox: no /proc/self/statm here; compiles run without a memory limit", file=sys.stderr)
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = mapped + extra if hard == resource.RLIM_INFINITY else min(mapped + extra, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
