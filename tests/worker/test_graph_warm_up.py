@@ -28,11 +28,8 @@ def test_warm_up_runs_a_leading_decode_and_a_prefill_chunk(max_num_reqs):
     graphs = DecodeGraphs((1,), SimpleNamespace(synchronize=lambda: None), lambda ids, pos: seen.append(pos.clone()),
                           backend, [], StepBuffers(max_num_reqs, 64, 8, torch.device("cpu")), 16, 128)
     graphs.warm_up_prefill(20)
-    # chunks of 2, 4, 8, 16 and 20 queries: every power-of-two launch shape up to the longest chunk; then a step
-    # as large as the buffers (64 tokens) hold
-    assert [m.max_query_len for m in backend.metadata] == [2, 4, 8, 16, 20, 63]
-    full, _ = backend.metadata.pop(), seen.pop()
-    assert full.num_tokens == (64 if max_num_reqs > 1 else 63)
+    # chunks of 2, 4, 8, 16 and 20 queries: every power-of-two launch shape up to the longest chunk
+    assert [m.max_query_len for m in backend.metadata] == [2, 4, 8, 16, 20]
     metadata = backend.metadata[-1]
     if max_num_reqs > 1:
         assert metadata.query_start_loc_cpu.tolist() == [0, 1, 21] and metadata.seq_lens_cpu.tolist() == [1, 20]
@@ -45,23 +42,10 @@ def test_warm_up_runs_a_leading_decode_and_a_prefill_chunk(max_num_reqs):
     assert all((m.slot_mapping == -1).all() for m in backend.metadata)  # nothing is written to the cache
 
 
-def test_the_full_step_splits_into_requests_of_the_model_length():
-    """A step's buffers hold more tokens than one request may have: the full step is several chunks of
-    ``max_model_len - 1`` tokens, at most one per request slot beside the decode."""
-    backend, seen = RecordingBackend(), []
-    graphs = DecodeGraphs((1,), SimpleNamespace(synchronize=lambda: None), lambda ids, pos: seen.append(pos.clone()),
-                          backend, [], StepBuffers(4, 64, 8, torch.device("cpu")), 16, 20)
-    graphs.warm_up_prefill(256)
-    assert [m.max_query_len for m in backend.metadata] == [2, 4, 8, 16, 19, 19]
-    full = backend.metadata[-1]
-    assert full.query_start_loc_cpu.tolist() == [0, 1, 20, 39, 58] and full.seq_lens_cpu.tolist() == [1, 19, 19, 19]
-    assert seen[-1].tolist() == [0] + list(range(19)) * 3 and (full.slot_mapping == -1).all()
-
-
 def test_warm_up_chunk_fits_the_buffers():
     """The longest chunk is bounded by the step's token buffers (a decode beside it) and the model length."""
     backend = RecordingBackend()
     graphs = DecodeGraphs((1,), SimpleNamespace(synchronize=lambda: None), lambda ids, pos: None,
                           backend, [], StepBuffers(4, 16, 8, torch.device("cpu")), 16, 128)
     graphs.warm_up_prefill(256)
-    assert [m.max_query_len for m in backend.metadata] == [2, 4, 8, 15]  # the chunk of 15 fills the buffers
+    assert [m.max_query_len for m in backend.metadata] == [2, 4, 8, 15]

@@ -143,55 +143,38 @@ class DecodeGraphs:
     def warm_up_prefill(self, num_tokens: int) -> None:
         """Eager steps with a decode and a prefill chunk, in the order a mixed step has them (the chunk
         alone when the buffers hold one request, ``--max-num-seqs 1``), caching nothing: chunks of 2, 4,
-        8, ... queries up to ``num_tokens``; then one step as large as the buffers hold.
+        8, ... queries up to ``num_tokens``.
 
         Compiles the kernel variants of mixed batches now rather than inside the first requests,
         including a backend's own launches for the decodes that lead a mixed step (decode-only
         variants are compiled by the graph warm-ups). Backends pick their launch shapes from the
         longest query in powers of two (the Triton attention's score rows), so doubling the chunk
-        meets every shape a step of at most ``num_tokens`` queries can take. The full step (chunks of
-        up to ``max_model_len - 1`` tokens, as many as fit) loads the GEMM kernels of the largest
-        shapes and grows the allocator to a full step's activations, which the first full step of
-        serving did otherwise (W2's first step on an H200: ~0.27 s longer than the next ones).
+        meets every shape a step of at most ``num_tokens`` queries can take.
         """
-        b = self.buffers
-        capacity = b.input_ids.host.shape[0] - 1  # tokens a step holds, a decode beside the chunks
-        longest = self.max_model_len - 1
-        num_tokens = max(2, min(num_tokens, capacity, longest))
+        num_tokens = max(2, min(num_tokens, self.buffers.input_ids.host.shape[0] - 1, self.max_model_len - 1))
         query_len = 2
         while query_len < num_tokens:
-            self._warm_up_step([query_len])
+            self._warm_up_mixed_step(query_len)
             query_len *= 2
-        self._warm_up_step([num_tokens])
-        max_chunks = max(1, b.query_start_loc.host.shape[0] - 2)  # requests beside the decode
-        full = [longest] * min(capacity // longest, max_chunks)
-        if len(full) < max_chunks and capacity - sum(full) >= 2:
-            full.append(capacity - sum(full))
-        if sum(full) > num_tokens:
-            self._warm_up_step(full)
+        self._warm_up_mixed_step(num_tokens)
 
-    def _warm_up_step(self, chunks: list[int]) -> None:
-        """One eager step: a decode (where the buffers hold more than one request), then prefill chunks of ``chunks``
-        tokens, each a new request from position 0."""
+    def _warm_up_mixed_step(self, num_tokens: int) -> None:
         b = self.buffers
-        decodes = 1 if b.query_start_loc.host.shape[0] - 1 > len(chunks) else 0
-        lens = [1] * decodes + list(chunks)
-        num_reqs, total = len(lens), sum(lens)
+        num_reqs = min(2, b.query_start_loc.host.shape[0] - 1)
+        decodes = num_reqs - 1  # 0 or 1
+        total = num_tokens + decodes
         b.input_ids.host[:total] = 0
-        b.positions.host[:total] = torch.cat([torch.arange(n) if i >= decodes else torch.zeros(1, dtype=torch.long)
-                                              for i, n in enumerate(lens)])
+        b.positions.host[:decodes] = 0
+        b.positions.host[decodes:total] = torch.arange(num_tokens)
         b.slot_mapping.host[:total] = -1
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
-        b.query_start_loc.host[: num_reqs + 1] = torch.tensor(starts, dtype=torch.int32)
-        b.seq_lens.host[:num_reqs] = torch.tensor(lens, dtype=torch.int32)
+        b.query_start_loc.host[: num_reqs + 1] = torch.tensor([0, 1, total] if decodes else [0, total], dtype=torch.int32)
+        b.seq_lens.host[:num_reqs] = torch.tensor([1, num_tokens] if decodes else [num_tokens], dtype=torch.int32)
         b.block_table.zero_()
         metadata = AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=total,
-            max_query_len=max(chunks),
-            max_seq_len=max(chunks),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
             query_start_loc=b.query_start_loc.upload(num_reqs + 1),
             seq_lens=b.seq_lens.upload(num_reqs),
             block_table=b.block_table[:num_reqs],
