@@ -185,6 +185,15 @@ def test_a_compile_past_its_time_limit_fails_the_request(trie_backend, model_pat
     assert sequence_of(outputs[0].outputs[0].token_ids) in SEQUENCES
 
 
+@pytest.mark.parametrize("memory", [0, 1000, -1, 2.5, True, "4G"])
+def test_a_bad_compile_memory_limit_names_the_flag(memory):
+    from runtime.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"structured_output_compile_memory_bytes must be an integer number of bytes, "
+                                         r"at least 1 MiB, got"):
+        EngineArgs(model="unused", structured_output_compile_memory_bytes=memory).create_engine_config()
+
+
 def test_runaway_compiles_do_not_starve_the_others(trie_backend, model_path, prompts):
     # Two compiles that outlive their requests' time limit hold both compile threads (a thread
     # cannot be stopped); a third spec must still compile, in new threads.
