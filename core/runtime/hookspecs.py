@@ -135,7 +135,9 @@ def register_guided_backends(register):
     :param register: ``register(name, factory)``; ``factory(tokenizer, vocab_size)`` returns
         a :class:`runtime.structured_output.GuidedBackend`, which compiles a
         :class:`runtime.structured_output.GuidedKind` and spec into a
-        :class:`runtime.structured_output.Grammar`.
+        :class:`runtime.structured_output.Grammar`. A backend that also implements
+        :class:`runtime.structured_output.IsolatedCompileBackend` has its compiles run in a child
+        process under ``--structured-output-compile-memory-bytes``, killed at the time limit.
 
     Selected with ``--guided-decoding-backend`` (alias ``--guided-backend``); ``outlines`` is the
     default when installed.
