@@ -50,6 +50,20 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     return error
 
 
+def nested_schema(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def nested_list(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 REPRODUCTIONS = [
     # 1. a large n: capped by --max-n (default 128, OpenAI's limit)
     ("n-million", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "n": 10**6}, 400, "n"),
@@ -92,6 +106,30 @@ REPRODUCTIONS = [
     ("request-template", "/v1/chat/completions",
      {"messages": CHAT, "chat_template_kwargs": {"chat_template": "{% for i in range(99999) %}{% endfor %}"}}, 400,
      "chat_template_kwargs"),
+    # found while fuzzing (session 32): free-form JSON nested past Python's recursion limit once copied (a 500), and
+    # integers past 64 bits inside it (msgspec refused them on the way to the engine: a 500)
+    ("deep-guided_json", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "guided_json": nested_schema(250)}, 400,
+     "guided_json"),
+    ("deep-guided_json-text", "/v1/completions",
+     {"prompt": "hi", "max_tokens": 1, "guided_json": json.dumps(nested_schema(250))}, 400, "guided_json"),
+    ("deep-response_format", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(250)}}}, 400,
+     "response_format.json_schema.schema"),
+    ("deep-kv_transfer_params", "/v1/completions",
+     {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {"x": nested_list(600)}}, 400, "kv_transfer_params"),
+    ("guided_json-int-10**25", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "guided_json": {"enum": [10**25]}},
+     400, "guided_json"),
+    ("kv_transfer_params-int-10**30", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "kv_transfer_params": {
+        "a": 10**30}}, 400, "kv_transfer_params"),
+    ("tool-parameters-int-10**20", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "tool_choice": "required",
+     "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+         "type": "object", "properties": {"a": {"type": "integer", "minimum": 10**20}}}}}]}, 400,
+     "tools.0.function.parameters"),
+    # min_tokens past the context when max_tokens is left to the context (it generated ~8k tokens on the fuzzer's server)
+    ("min_tokens-past-context", "/v1/completions", {"prompt": "hi", "max_tokens": None, "min_tokens": 10**6}, 400,
+     "min_tokens"),
+    ("chat-min_tokens-past-context", "/v1/chat/completions", {"messages": CHAT, "min_tokens": 2**63 - 1}, 400,
+     "min_tokens"),
 ]
 
 
@@ -151,3 +189,15 @@ def test_official_client_gets_bad_request_errors(server):
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=10**9)
     assert client.completions.create(model=model, prompt="hi", max_tokens=1, n=128).choices[127].index == 127
+
+
+def test_tool_call_arguments_nested_too_deep_reach_the_template_as_text(server):
+    """An earlier assistant turn's tool call whose arguments are JSON text nested 3,000 arrays deep: parsing it for the
+    chat template exhausted the recursion limit (a 500, session 32's fuzzing); the template now gets the text."""
+    arguments = "[" * 3000 + "]" * 3000
+    messages = [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "x", "arguments": arguments}}]},
+                {"role": "user", "content": "x"}]
+    response, _ = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert response.status_code == 200, response.text[:500]
+    response, _ = post(server, "/tokenize", {"messages": messages})
+    assert response.status_code == 200 and response.json()["count"] > 0, response.text[:500]

@@ -111,7 +111,7 @@ def test_the_cache_is_bounded_by_bytes(make_manager, monkeypatch):
     first = compile_now(manager, "regex", "[a-z]{1,30}")
     size = manager._cache[("regex", "[a-z]{1,30}")].result()[1]
     assert not isinstance(first, Exception) and size > 1000
-    monkeypatch.setattr(structured_output, "CACHE_BYTES", size + 100)
+    monkeypatch.setattr(structured_output, "CACHE_BYTES", int(size * structured_output.LOADED_PER_PICKLED) + 100)
     compile_now(manager, "regex", "[0-9]{1,30}")
     compile_now(manager, "regex", "[x-z]{2}")  # the submit that finds the first two over the budget drops the oldest
     assert ("regex", "[a-z]{1,30}") not in manager._cache and ("regex", "[x-z]{2}") in manager._cache

@@ -56,15 +56,25 @@ class RequestLimits:
             )
 
 
-def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
-    """ValueError (starting with ``param``) if the prompt and ``max_tokens`` together exceed the context.
+def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str,
+                         min_tokens: int = 0) -> None:
+    """ValueError (starting with ``param``) if the prompt and ``max_tokens`` together exceed the context;
+    without ``max_tokens`` (the rest of the context), if ``min_tokens`` does not fit in it (as vLLM, which
+    sets ``max_tokens`` to the rest of the context and then checks ``min_tokens`` against it).
 
     The wording carries the same facts as vLLM's and OpenAI's message (and its
     "maximum context length" phrase, which clients look for).
     """
-    if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
-        return
     room = max(max_model_len - num_prompt_tokens, 0)
+    if max_tokens is None:
+        if min_tokens > room:
+            raise ValueError(
+                f"min_tokens must be at most the {room} tokens the context leaves after the prompt "
+                f"({num_prompt_tokens} of {max_model_len}), got {min_tokens}"
+            )
+        return
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return
     raise ValueError(
         f"{param}: this model's maximum context length is {max_model_len} tokens, but the request needs "
         f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt and {max_tokens} in the completion); "

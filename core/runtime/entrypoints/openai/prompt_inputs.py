@@ -19,7 +19,7 @@ def checked_input(
     """The engine input of one tokenized prompt; ValueError naming the field if it cannot run."""
     processor.validate(prompt_token_ids, params)
     max_model_len = processor.model_config.max_model_len
-    check_context_length(len(prompt_token_ids), params.max_tokens, max_model_len, max_tokens_param)
+    check_context_length(len(prompt_token_ids), params.max_tokens, max_model_len, max_tokens_param, params.min_tokens)
     return {"prompt_token_ids": prompt_token_ids} if text is None else {"prompt_token_ids": prompt_token_ids, "prompt": text}
 
 

@@ -3,9 +3,9 @@ the error that names a bad field."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 # Every integer of a request fits in 64 bits (the engine's wire format and torch need it);
@@ -25,6 +25,37 @@ MAX_LOGIT_BIAS = 1024
 StopStrings = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[Int64], Field(fail_fast=True, max_length=MAX_STOP_TOKEN_IDS)]
 LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)]
+
+
+# Free-form JSON fields (a JSON schema, tool parameters, kv_transfer_params, chat template arguments)
+# nest at most this deep: the engine copies and walks them recursively (a schema 250 objects deep
+# exhausted Python's recursion limit: a 500), and a schema the outlines backend accepts (16 nested
+# sub-schemas) is about 35 levels. Their integers fit in 64 bits, as every request integer must
+# (msgspec refused a larger one on the way to the engine: a 500).
+MAX_JSON_DEPTH = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_free_json(value: Any) -> Any:
+    """``value`` (parsed JSON) unchanged, or ValueError naming the depth or the integer that is out of bounds."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            if isinstance(node, int) and not isinstance(node, bool) and not INT64_MIN <= node <= INT64_MAX:
+                raise ValueError(f"its integers must fit in 64 bits, got {str(node)[:40]}")
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"it nests objects and arrays more than {MAX_JSON_DEPTH} levels deep")
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(check_free_json)]
 
 
 class OpenAIBaseModel(BaseModel):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, OpenAIBaseModel
+from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, JsonObject, OpenAIBaseModel, check_free_json
 from runtime.entrypoints.openai.protocol_sampling import SamplingFields, check_logprobs
 from runtime.entrypoints.openai.protocol_structured import structured_params
 from runtime.entrypoints.openai.protocol_tools import (
@@ -56,9 +56,9 @@ def _arguments_object(arguments: str | dict[str, Any]) -> Any:
     if isinstance(arguments, dict):
         return arguments
     try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments  # not JSON: the template gets the text
+        return check_free_json(json.loads(arguments))
+    except (ValueError, RecursionError):
+        return arguments  # not JSON, or JSON nested too deep for the template: the template gets the text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -69,7 +69,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; "required" may give several calls, a named choice one

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from pydantic import Field
 
 from runtime.entrypoints.openai.protocol_base import (
     Int64,
     InvalidField,
+    JsonObject,
     LogitBias,
     OpenAIBaseModel,
     StopStrings,
@@ -55,7 +56,7 @@ class SamplingFields(OpenAIBaseModel):
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: JsonObject | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=4096)] | None = None
     guided_grammar: str | None = None
@@ -63,7 +64,7 @@ class SamplingFields(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None  # vLLM's; no effect here
     # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} on a prefill instance; the
     # prefill response's kv_transfer_params on a decode instance (a KV connector reads them).
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: JsonObject | None = None
 
     def _max_tokens(self) -> int | None:
         raise NotImplementedError

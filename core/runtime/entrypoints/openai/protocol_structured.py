@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from runtime.entrypoints.openai.protocol_base import InvalidField, OpenAIBaseModel
+from runtime.entrypoints.openai.protocol_base import InvalidField, JsonObject, OpenAIBaseModel, check_free_json
 from runtime.sampling_params import StructuredOutputsParams
 
 
@@ -18,7 +18,7 @@ class JsonSchemaFormat(OpenAIBaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the schema is always enforced
 
 
@@ -32,7 +32,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     json_object. vLLM's tuning options are accepted and ignored; unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: JsonObject | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1, max_length=4096)] | None = None
     grammar: str | None = None
@@ -54,11 +54,14 @@ def schema_dict(value: Any, param: str) -> dict[str, Any]:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise InvalidField(param, f"{param} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidField(param, f"{param} must be a JSON schema object, got {type(value).__name__}")
-    return value
+    try:
+        return check_free_json(value)
+    except ValueError as exc:
+        raise InvalidField(param, f"{param}: {exc}") from None
 
 
 def structured_params(param: str, **field: Any) -> StructuredOutputsParams:

@@ -7,12 +7,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from runtime.entrypoints.openai.protocol_base import OpenAIBaseModel
+from runtime.entrypoints.openai.protocol_base import JsonObject, OpenAIBaseModel
 
 
 class FunctionCallIn(OpenAIBaseModel):
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | JsonObject = "{}"
 
 
 class ToolCallIn(OpenAIBaseModel):
@@ -30,7 +30,7 @@ TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 class FunctionDefinition(OpenAIBaseModel):
     name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: bool | None = None  # constrained calls always follow the schema
 
 
