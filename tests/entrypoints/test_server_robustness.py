@@ -125,6 +125,7 @@ REPRODUCTIONS = [
      "tools": [{"type": "function", "function": {"name": "f", "parameters": {
          "type": "object", "properties": {"a": {"type": "integer", "minimum": 10**20}}}}}]}, 400,
      "tools.0.function.parameters"),
+    ("tokenize-no-messages", "/tokenize", {"messages": []}, 400, "messages"),
     # min_tokens past the context when max_tokens is left to the context (it generated ~8k tokens on the fuzzer's server)
     ("min_tokens-past-context", "/v1/completions", {"prompt": "hi", "max_tokens": None, "min_tokens": 10**6}, 400,
      "min_tokens"),

@@ -74,7 +74,7 @@ class CompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None  # rendered by the chat template
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
