@@ -172,8 +172,11 @@ def prefill(layer, query, key, value, key_cache, value_cache, data: SdpaStepData
         slots = _prefill_slots(data, idx, first)
         k, v = key_cache[slots], value_cache[slots]  # [num_keys, kv_heads, head]
     mask = _prefill_mask(data, idx, first, window)
-    q = query[chunk.start : chunk.end].transpose(0, 1)  # [heads, q_len, head]
-    return attend(q, k.transpose(0, 1), v.transpose(0, 1), mask, layer, is_causal=mask is None).transpose(0, 1)
+    # A batch dimension of one: on the CPU, 4-d inputs take torch's flash kernel, 3-d ones its math path, which
+    # holds every score (an 8k-token prompt of SmolLM2: 5.2 GB and 3.1 s a layer, against 22 MB and 0.35 s).
+    q = query[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, q_len, head]
+    k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    return attend(q, k, v, mask, layer, is_causal=mask is None)[0].transpose(0, 1)
 
 
 def _prefill_slots(data: SdpaStepData, idx: int, first: int) -> torch.Tensor:
