@@ -11,7 +11,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 # Every integer of a request fits in 64 bits (the engine's wire format and torch need it);
 # a larger one is a 400 naming the field, not an OverflowError later. Lists stop at their
 # first bad item (fail_fast), so a union of list forms costs O(items), not O(items x forms).
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenIds = Annotated[list[Int64], Field(fail_fast=True)]
 Texts = Annotated[list[str], Field(fail_fast=True)]
 TokenIdLists = Annotated[list[TokenIds], Field(fail_fast=True)]
@@ -33,7 +34,6 @@ LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)]
 # sub-schemas) is about 35 levels. Their integers fit in 64 bits, as every request integer must
 # (msgspec refused a larger one on the way to the engine: a 500).
 MAX_JSON_DEPTH = 64
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def check_free_json(value: Any) -> Any:

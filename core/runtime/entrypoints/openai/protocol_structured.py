@@ -51,17 +51,14 @@ STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_jso
 
 def schema_dict(value: Any, param: str) -> dict[str, Any]:
     """A JSON schema given as an object or as its JSON text, as a dict."""
-    if isinstance(value, str):
+    if isinstance(value, str):  # an object was checked as a JsonObject field already; its text is checked here
         try:
-            value = json.loads(value)
+            value = check_free_json(json.loads(value))
         except (ValueError, RecursionError) as exc:
-            raise InvalidField(param, f"{param} is not valid JSON: {exc}") from None
+            raise InvalidField(param, f"{param} is not valid JSON or is out of bounds: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidField(param, f"{param} must be a JSON schema object, got {type(value).__name__}")
-    try:
-        return check_free_json(value)
-    except ValueError as exc:
-        raise InvalidField(param, f"{param}: {exc}") from None
+    return value
 
 
 def structured_params(param: str, **field: Any) -> StructuredOutputsParams:
