@@ -13,22 +13,25 @@ class BlockCopier:
     device, then one host copy per block (not one per block and layer)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], block_dim: int):
-        self.layers = [cache.movedim(block_dim, 0) for cache in kv_caches]  # [num_blocks, ...] views
+        layers = [cache.movedim(block_dim, 0) for cache in kv_caches]  # [num_blocks, ...] views
         self.segments = []  # (offset, nbytes, dtype, block shape) per layer
         offset = 0
-        for layer in self.layers:
+        for layer in layers:
             shape = tuple(layer.shape[1:])
             nbytes = layer[0].numel() * layer.element_size()
             self.segments.append((offset, nbytes, layer.dtype, shape))
             offset += nbytes
+        # The gathers and scatters run on a 1-byte cache (``--kv-cache-dtype fp8``) as uint8: the bytes are
+        # the same, and torch has no index_copy_ (nor, on some devices, index_select) for the float8 types.
+        self.layers = [layer.view(torch.uint8) if layer.element_size() == 1 else layer for layer in layers]
         self.block_bytes = offset
         self.device = kv_caches[0].device
         self.non_blocking = kv_caches[0].is_cuda
 
     def _layer_views(self, flat: torch.Tensor):
         """Each layer's part of ``flat`` [k, block_bytes] as a [k, *block shape] view of its dtype."""
-        for layer, (offset, nbytes, dtype, shape) in zip(self.layers, self.segments):
-            yield layer, flat[:, offset : offset + nbytes].view(dtype).view(flat.shape[0], *shape)
+        for layer, (offset, nbytes, _, shape) in zip(self.layers, self.segments):
+            yield layer, flat[:, offset : offset + nbytes].view(layer.dtype).view(flat.shape[0], *shape)
 
     def _ids(self, block_ids: list[int]) -> torch.Tensor:
         # From pinned memory: a copy from pageable memory would wait for the stream, which
