@@ -109,3 +109,31 @@ def test_a_prefill_instance_refuses_a_decode_instance_of_another_block_order(tin
     (local,) = producer.generate([{"prompt_token_ids": PROMPT}], params({}), use_tqdm=False)
     assert pulled.outputs[0].token_ids == local.outputs[0].token_ids
     assert same.llm_engine.engine_core.scheduler.stats()["kv_transfer_failed_pulls"] == 0
+
+
+def test_n_samples_of_a_pulled_prompt_share_one_pull(tiny_pd_model, fail_mode_llm):
+    """``n > 1`` on both sides. Decode: the samples carry the same kv_transfer_params, and a prefill instance serves a lease once (the
+    pull frees it). One sample pulls, the others wait for that pull and load the same blocks (before, each pulled:
+    the second pull waited for a lease already gone and failed the request, or recomputed after the timeout)."""
+    from runtime import LLM, SamplingParams
+
+    port = free_port()
+    producer = LLM(tiny_pd_model, kv_transfer_config=connector("kv_producer", port, lease_s=60), **COMMON)
+    # The prefill of an n > 1 request leases one copy of the prompt's blocks, and its output says where (before,
+    # every sample leased its own copy, held until the lease expired, and the output carried no kv_transfer_params).
+    prefill = SamplingParams(temperature=0, max_tokens=1, n=3, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = producer.generate([{"prompt_token_ids": PROMPT}], prefill, use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and out.kv_transfer_params is not None
+    assert list(producer.llm_engine.engine_core.scheduler.kv_connector.connector.leases.deadlines) == [
+        out.kv_transfer_params["remote_request_id"]]
+    producer.llm_engine.engine_core.step()  # the step that hands the lease to the producer's block server
+    scheduler = fail_mode_llm.llm_engine.engine_core.scheduler
+    before = scheduler.stats()
+    sampled = SamplingParams(temperature=0, max_tokens=6, n=3, extra_args={"kv_transfer_params": out.kv_transfer_params})
+    (pulled,) = fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], sampled, use_tqdm=False)
+    (local,) = fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params({}, 6), use_tqdm=False)
+    assert [c.token_ids for c in pulled.outputs] == [local.outputs[0].token_ids] * 3
+    stats = scheduler.stats()
+    assert stats["kv_transfer_failed_pulls"] == before["kv_transfer_failed_pulls"]
+    assert stats["kv_transfer_pulled_blocks"] - before["kv_transfer_pulled_blocks"] == len(out.kv_transfer_params["remote_block_ids"])
+    assert scheduler.kv_cache_manager.usage() == 0.0

@@ -134,6 +134,8 @@ class OutputProcessor:
             slots.append(state.make_request_output(completion))
         elif completion is not None:
             parent.num_cached_tokens = max(parent.num_cached_tokens, state.num_cached_tokens)
+            if state.kv_transfer_params is not None:
+                parent.kv_transfer_params = state.kv_transfer_params
             parent.add_child_output(completion)
             if parent.request_id not in parents_seen:
                 parents_seen.add(parent.request_id)

@@ -27,6 +27,11 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
     is set, ``seed + i``, so the n samples differ but stay reproducible. The
     copies are shallow (O(1) each, not a deep copy per child): the children
     share the parent's stop lists and logit bias, which nothing mutates.
+
+    A prefill for a remote decode (``kv_transfer_params`` with ``do_remote_decode``)
+    computes one prompt: child 0 keeps the KV blocks for the decode instance (its
+    ``kv_transfer_params`` become the parent's); the others do not lease theirs, which
+    nobody could pull (they would be held until their lease expired).
     """
     params = request.sampling_params
     if params.n == 1:
@@ -37,9 +42,16 @@ def fan_out(request: EngineCoreRequest) -> list[EngineCoreRequest]:
         child_params.n = 1
         if params.seed is not None:
             child_params.seed = params.seed + index
+        if index > 0 and _remote_decode(params):
+            child_params.extra_args = {k: v for k, v in params.extra_args.items() if k != "kv_transfer_params"}
         child_id = child_request_id(index, request.request_id)
         children.append(msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params))
     return children
+
+
+def _remote_decode(params) -> bool:
+    transfer = params.extra_args.get("kv_transfer_params") if params.extra_args else None
+    return isinstance(transfer, dict) and bool(transfer.get("do_remote_decode"))
 
 
 def _concat(earlier: CompletionOutput, later: CompletionOutput) -> CompletionOutput:
@@ -75,6 +87,7 @@ class ParentRequest:
         self.child_ids = [child_request_id(i, request.request_id) for i in range(params.n)]
         self.prompt_logprobs: PromptLogprobs | None = None
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None  # child 0's (see fan_out)
         self._unfinished_indices = set(range(params.n))
         self._outputs: dict[int, CompletionOutput] = {}  # by completion index
         self._prompt_logprobs_sent = False
@@ -112,6 +125,7 @@ class ParentRequest:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def _take_prompt_logprobs(self) -> PromptLogprobs | None:

@@ -17,6 +17,7 @@ those tokens computed. A long copy never holds a decode step.
 
 from __future__ import annotations
 
+import collections
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -31,6 +32,12 @@ from runtime_pd.settings import layout_key, prompt_digest, settings_of, transfer
 logger = logging.getLogger(__name__)
 
 _PULLING, _DONE = "pulling", "done"  # pull states besides Staged blocks
+SEEN_LEASES = 65536  # leases this decode instance pulled, remembered so that a sibling never pulls one again
+
+
+def lease_key(params: dict) -> tuple:
+    """Names one lease of one prefill instance: the requests ``n > 1`` fans out share it."""
+    return params.get("remote_engine_id"), params.get("remote_request_id")
 
 
 @dataclass
@@ -56,6 +63,13 @@ class TcpConnectorScheduler:
         self.leases = Leases(self.engine_id, s.lease_s, f"tcp://{s.host}:{s.control_port}") if s.is_producer else None
         self.puller = self.make_puller() if s.is_consumer else None
         self.pulls: dict[str, object] = {}  # request id -> _PULLING, Staged, _DONE, or why it failed
+        # One pull per lease: the samples of an ``n > 1`` request carry the same kv_transfer_params, and a
+        # prefill instance serves a lease once (the pull frees it). The first sample pulls; the others
+        # wait for that pull and load the same host copy into their own blocks (or compute the prompt here).
+        self.lease_pullers: dict[tuple, str] = {}  # lease -> request id whose pull is in flight
+        self.lease_followers: dict[tuple, list[str]] = {}  # lease -> requests waiting for that pull
+        self.request_leases: dict[str, tuple] = {}  # request id -> its lease (pulling, following or staged)
+        self.seen_leases: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self.num_failed_pulls = 0
         self.writing: dict[str, int] = {}  # request id -> worker ranks that reported its background write
         self.written: set[str] = set()  # background writes every rank finished
@@ -90,9 +104,22 @@ class TcpConnectorScheduler:
                 self.puller.ended.append((request.request_id, why))
                 self.puller.cancel(params)
                 return 0, True
-            self.pulls[request.request_id] = _PULLING
-            self.puller.start(request.request_id, params)
-            return 0, True
+            key = lease_key(params)
+            self.request_leases[request.request_id] = key
+            if key in self.lease_pullers:  # a sibling's pull of the same lease is under way: wait for it
+                self.pulls[request.request_id] = _PULLING
+                self.lease_followers.setdefault(key, []).append(request.request_id)
+                return 0, True
+            if key in self.seen_leases:  # pulled already: share a sibling's blocks, or compute the prompt here
+                shared = self._shareable(key)
+                self.pulls[request.request_id] = shared if shared is not None else _DONE
+                state = self.pulls[request.request_id]
+            else:
+                self._see(key)
+                self.lease_pullers[key] = request.request_id
+                self.pulls[request.request_id] = _PULLING
+                self.puller.start(request.request_id, params)
+                return 0, True
         if state is _PULLING:
             return 0, True
         if isinstance(state, Staged) and state.num_tokens > num_computed_tokens:
@@ -101,6 +128,20 @@ class TcpConnectorScheduler:
                 return state.num_tokens - num_computed_tokens, False
             self._drop(request, state, why)
         return 0, False  # the device cache holds them, they were loaded, or the pull failed: compute
+
+    def _see(self, key: tuple) -> None:
+        self.seen_leases[key] = None
+        while len(self.seen_leases) > SEEN_LEASES:
+            self.seen_leases.popitem(last=False)
+
+    def _shareable(self, key: tuple) -> Staged | None:
+        """Pulled blocks of ``key`` another request still holds in host memory and that stay valid for
+        more loads (those released at the pull: a host copy), or None."""
+        for request_id, other in self.request_leases.items():
+            state = self.pulls.get(request_id)
+            if other == key and isinstance(state, Staged) and state.released_at_pull:
+                return state
+        return None
 
     def _check(self, request, params: dict) -> str | None:
         """Why the remote blocks cannot be used for ``request`` (None: they can)."""
@@ -134,14 +175,24 @@ class TcpConnectorScheduler:
         ended = {}
         while self.puller is not None and self.puller.ended:
             request_id, result = self.puller.ended.popleft()
-            if request_id not in self.pulls:
-                continue  # aborted meanwhile
-            self.pulls[request_id] = result
-            if isinstance(result, Staged):
-                ended[request_id] = None
-                continue
-            self.num_failed_pulls += 1
-            ended[request_id] = result if self.settings.on_transfer_failure == "fail" else None
+            key = self.request_leases.get(request_id)
+            followers = []
+            if key is not None and self.lease_pullers.get(key) == request_id:
+                del self.lease_pullers[key]
+                followers = self.lease_followers.pop(key, [])
+            for rid in [request_id, *followers]:
+                if rid not in self.pulls:
+                    continue  # aborted meanwhile
+                if rid != request_id and isinstance(result, Staged) and not result.released_at_pull:
+                    self.pulls[rid] = _DONE  # blocks read in place once: a sibling computes its prompt here
+                    ended[rid] = None
+                    continue
+                self.pulls[rid] = result
+                if isinstance(result, Staged):
+                    ended[rid] = None
+                    continue
+                self.num_failed_pulls += 1
+                ended[rid] = result if self.settings.on_transfer_failure == "fail" else None
         return ended
 
     def loads_in_background(self, request) -> bool:
@@ -195,7 +246,9 @@ class TcpConnectorScheduler:
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = transfer_params(request)
         state = self.pulls.pop(request.request_id, None)
-        if state is None and params and params.get("do_remote_prefill") and self.puller is not None:
+        self.request_leases.pop(request.request_id, None)
+        if (state is None and params and params.get("do_remote_prefill") and self.puller is not None
+                and lease_key(params) not in self.seen_leases):  # a sibling's pull frees the lease otherwise
             self.puller.cancel(params)  # never pulled: free the prefill instance's blocks now
         elif isinstance(state, Staged):
             self._release(request, state)  # pulled but never loaded (aborted)
