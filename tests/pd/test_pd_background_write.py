@@ -58,3 +58,35 @@ def test_the_scheduler_half_admits_after_every_rank_wrote(mode):
         assert not sched.writing and not sched.build_connector_meta(None).poll and not sched.has_pending_work()
     finally:
         sched.shutdown()
+
+
+def test_the_block_server_answers_at_once_for_an_ended_lease_and_at_shutdown():
+    """A pull of a lease that ended (pulled already, expired) is refused at once, not after the 5 s that a lease
+    not registered yet is waited for (the server's one thread serves every pull: such a wait held them all); a
+    pull still waiting at shutdown returns, so that the server thread stops before its socket closes."""
+    import threading
+    import time
+
+    worker = TcpConnectorWorker(config())
+    worker.register_kv_caches([torch.arange(2 * 6 * 4 * 3.0).view(2, 6, 4, 3) for _ in range(2)], block_dim=1)
+    early = {}
+    waiting = threading.Thread(target=lambda: early.update(reply=worker.serve_pull("late", [3], worker.layout)))
+    waiting.start()  # a pull before the step that registers its lease: served once the lease comes
+    worker.start_load_kv(types.SimpleNamespace(leases={"late": [3], "r": [1, 2]}, unleases=[], loads=[]))
+    waiting.join(timeout=5)
+    reply, layers = early["reply"]
+    assert reply.error == "" and len(layers) > 0
+    worker.start_load_kv(types.SimpleNamespace(leases={}, unleases=["r"], loads=[]))  # r pulled: its lease ends
+    start = time.monotonic()
+    reply, _ = worker.serve_pull("r", [1, 2], worker.layout)
+    assert time.monotonic() - start < 1.0
+    assert "the lease of request 'r' has ended" in reply.error
+    pending = {}
+    waiting = threading.Thread(target=lambda: pending.update(reply=worker.serve_pull("never", [0], worker.layout)))
+    waiting.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    worker.shutdown()
+    waiting.join(timeout=5)
+    assert time.monotonic() - start < 1.0
+    assert "shutting down" in pending["reply"][0].error

@@ -12,6 +12,7 @@ decode instance never reads a block that was freed and reused. A lease ends in
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 
@@ -25,6 +26,7 @@ from runtime_pd.wire import PullReply, decode_request, encode, gather_blocks
 logger = logging.getLogger(__name__)
 
 LEASE_WAIT_S = 5.0  # a pull may arrive before the step that registers its lease: wait this long for it
+ENDED_LEASES = 65536  # leases that ended (pulled or expired), remembered so that a late pull of one is refused at once
 
 
 class TcpConnectorWorker:
@@ -33,6 +35,8 @@ class TcpConnectorWorker:
         self.layout = layout_key(config)
         self.layers: list[torch.Tensor] = []  # [num_blocks, ...] view of each layer's cache
         self.leases: dict[str, list[int]] = {}  # request id -> leased block ids
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # leases that ended, oldest first
+        self.closing = False  # set at shutdown: a pull waiting for its lease gives up
         self.lock = threading.Condition()
         self.server: BlockServer | None = None
         self.stream: torch.cuda.Stream | None = None  # background writes on a GPU
@@ -57,6 +61,9 @@ class TcpConnectorWorker:
             with self.lock:  # waits for a pull being served
                 for req_id in metadata.unleases:
                     self.leases.pop(req_id, None)
+                    self.ended[req_id] = None
+                while len(self.ended) > ENDED_LEASES:
+                    self.ended.popitem(last=False)
                 self.leases.update(metadata.leases)
                 self.lock.notify_all()
         for request_id, entry in metadata.loads:
@@ -127,7 +134,15 @@ class TcpConnectorWorker:
             return self.refuse("the decode instance runs a different model layout (architecture, dtype, block size or "
                                "the attention backend's order of a block's bytes)")
         with self.lock:
-            if not self.lock.wait_for(lambda: request_id in self.leases, LEASE_WAIT_S):
+            # A lease not registered yet is waited for (its step may still be on the way); one that ended, and a
+            # shutdown, answer at once: this thread serves every pull, and a wait holds all of them.
+            self.lock.wait_for(lambda: request_id in self.leases or request_id in self.ended or self.closing, LEASE_WAIT_S)
+            if request_id not in self.leases:
+                if self.closing:
+                    return self.refuse("the prefill instance is shutting down")
+                if request_id in self.ended:
+                    return self.refuse(f"the lease of request {request_id!r} has ended (its blocks were pulled "
+                                       "already, or the lease expired)")
                 return self.refuse(f"no blocks are leased to request {request_id!r} (lease expired or never made)")
             leased = self.leases[request_id]
             if block_ids != leased[: len(block_ids)]:
@@ -143,6 +158,9 @@ class TcpConnectorWorker:
         return PullReply(error=error), []
 
     def shutdown(self) -> None:
+        with self.lock:  # a pull waiting for its lease returns, so that the server thread stops before its socket closes
+            self.closing = True
+            self.lock.notify_all()
         if self.server is not None:
             self.server.stop()
 
