@@ -107,14 +107,20 @@ def test_the_baseline_is_transformers_greedy(arch_baseline):
 
 
 # ------------------------------------------------------------ sampling features
+PAIR_KWARGS = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128, block_size=4)
+PAIR_SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair_path(tmp_path_factory):
+    return build_untokenized_model("llama", tmp_path_factory.mktemp("spec_llama_pair"))
+
+
+@pytest.fixture(scope="module")
+def pair(pair_path):
     """(LLM without speculation, LLM with ngram k=3, prompts) on a tiny llama."""
-    path = build_untokenized_model("llama", tmp_path_factory.mktemp("spec_llama_pair"))
-    kwargs = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=128, block_size=4)
-    spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
     prompts = repetitive_prompts(UNTOKENIZED_VOCAB_SIZE, seed=2)
-    return LLM(path, **kwargs), LLM(path, speculative_config=spec, **kwargs), prompts
+    return LLM(pair_path, **PAIR_KWARGS), LLM(pair_path, speculative_config=PAIR_SPEC, **PAIR_KWARGS), prompts
 
 
 def completions(llm, prompts, params):
@@ -159,6 +165,27 @@ def test_seeded_random_sampling_is_reproducible(pair):
     first = completions(spec, prompts, params)
     assert completions(spec, prompts, params) == first
     assert completions(spec, prompts[1:2], params) == first[1:2]  # alone in its batch
+
+
+def test_seeded_sampling_equals_no_speculation_whatever_the_drafts_verified(pair, pair_path):
+    """A seeded request samples each position as it would without drafts (ngram's one-hot drafts are kept while the
+    position's own sample equals them), so its tokens equal the run without speculation, also under a token budget
+    that cuts the drafts a step verifies and with preemption. Before, the uniforms drawn per draft moved the noise
+    of the step's last token, so the tokens depended on how many drafts the batch left room for."""
+    base, spec, prompts = pair
+    params = SamplingParams(temperature=0.1, max_tokens=16, ignore_eos=True, seed=5, n=2)
+    expected = completions(base, prompts, params)
+    assert completions(spec, prompts, params) == expected
+    tight = LLM(pair_path, speculative_config=PAIR_SPEC, max_num_batched_tokens=16, num_gpu_blocks_override=32,
+                **PAIR_KWARGS)
+    try:
+        assert completions(tight, prompts, params) == expected
+        assert completions(tight, prompts[2:3], params) == expected[2:3]
+        stats = tight.llm_engine.engine_core.scheduler.stats()
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0, stats
+    finally:
+        del tight
+        gc.collect()
 
 
 # ------------------------------------------------------------ a real model

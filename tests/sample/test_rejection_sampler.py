@@ -351,3 +351,32 @@ def test_bad_shapes_name_what_was_expected():
         sampler(torch.zeros(4, 5), torch.zeros(2, dtype=torch.int64), [1, 1], md, torch.zeros(2, 4))
     with pytest.raises(ValueError, match="num_draft_tokens must be >= 0 for every request, got -1"):
         sampler(torch.zeros(4, 5), torch.zeros(2, dtype=torch.int64), [3, -1], md)
+
+
+def test_a_seeded_row_named_by_position_emits_the_samplers_token_at_each_position():
+    """With ``seeds`` (seed, output position) and one-hot drafts, position j's token is the one the Sampler draws
+    with ``step_generator(seed, position + j)``, whatever the drafts: kept while equal to it, replaced by it at
+    the first difference. So the tokens do not depend on how many drafts a step verifies."""
+    from runtime.sample.metadata import step_generator
+
+    vocab, seed, position = 40, 11, 7
+    params = SamplingParams(temperature=1.3, seed=seed)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+
+    def sampler_token(j: int) -> int:
+        md = build_sampling_metadata([params], [[0, 1]], [[]], [step_generator(seed, position + j, CPU)], vocab, CPU)
+        return int(Sampler()(logits[j : j + 1], md).sampled_token_ids[0])
+
+    own = [sampler_token(j) for j in range(4)]
+    other = [(t + 1) % vocab for t in own]
+    for drafts, expected in (
+        (own[:3], own),  # all kept, then the bonus position's token
+        (own[:1] + other[1:3], own[:2]),  # the second differs: the Sampler's token there ends the step
+        (other[:2], own[:1]),
+        ([], own[:1]),  # no drafts: the Sampler's own draw
+    ):
+        k = len(drafts)
+        md = build_sampling_metadata([params], [[0, 1]], [[]], [step_generator(seed, position, CPU)], vocab, CPU,
+                                     seeds=[(seed, position)])
+        out = RejectionSampler()(logits[: k + 1], torch.tensor(drafts, dtype=torch.int64), [k], md)
+        assert out.token_lists()[0] == expected, (drafts, expected)

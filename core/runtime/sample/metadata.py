@@ -42,11 +42,23 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     # row index -> the request's generator, for seeded random rows only.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # row index -> (seed, output position of the row's token), for seeded random rows whose caller names the position
+    # (the model runner): a token at a later position (a speculative step's) draws from step_generator(seed, position).
+    seeds: dict[int, tuple[int, int]] = field(default_factory=dict)
     max_num_logprobs: int | None = None  # max of params.logprobs; None if no row wants them
 
     @property
     def no_penalties(self) -> bool:
         return self.output_token_ids is None
+
+
+def step_generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
+    """A generator for one sampled position of a seeded request.
+
+    Deriving it from (seed, position) keeps seeded outputs identical whatever the
+    batch, across preemption and recompute, and with or without speculative drafts.
+    """
+    return torch.Generator(device=device).manual_seed(hash((seed, num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF)
 
 
 def is_plain_greedy(params: SamplingParams) -> bool:
@@ -81,8 +93,10 @@ def build_sampling_metadata(
     generators: list[torch.Generator | None],
     vocab_size: int,
     device: torch.device,
+    seeds: list[tuple[int, int] | None] | None = None,
 ) -> SamplingMetadata:
-    """Batch the rows' parameters; rows are in the order of the logits rows."""
+    """Batch the rows' parameters; rows are in the order of the logits rows. ``seeds``: per row, the
+    (seed, output position) its generator was made from (:func:`step_generator`), or None."""
     num_rows = len(params)
     assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows
     is_greedy = [p.is_greedy for p in params]
@@ -135,6 +149,7 @@ def build_sampling_metadata(
         logit_bias=_logit_bias(params, vocab_size, device),
         min_tokens_mask=_min_tokens_mask(params, output_token_ids, vocab_size, device),
         generators={i: g for i, g in enumerate(generators) if g is not None and not is_greedy[i]},
+        seeds={i: key for i, key in enumerate(seeds or ()) if key is not None and not is_greedy[i]},
         max_num_logprobs=max(logprob_counts) if logprob_counts else None,
     )
 

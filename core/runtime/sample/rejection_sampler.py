@@ -32,8 +32,17 @@ processed logits.
   ``min(1, p_j(x) / q_j(x))``; at the first rejection the token is drawn from
   ``normalize(max(p_j - q_j, 0))`` and the rest are dropped; when all are accepted the bonus
   token is drawn from ``p_k``. A seeded request draws its uniforms (one per draft) and its
-  final token's noise from its own generator only, so its tokens do not depend on the batch;
-  with no drafts it consumes the generator exactly as the :class:`Sampler` does (same token).
+  final token's noise from its own generator only, so they do not depend on the rest of the
+  batch; with no drafts it consumes the generator exactly as the :class:`Sampler` does (same token).
+* Seeded request whose position the metadata names (``metadata.seeds``, as the model runner
+  gives it) with one-hot drafts (``draft_probs`` None): position ``j`` samples its own token
+  ``s_j`` from ``p_j`` with the noise of :func:`step_generator` at its output position, as the
+  :class:`Sampler` would there; drafts are kept while ``s_j`` equals them and the first ``s_j``
+  that differs (or the bonus position's) follows. For q one-hot this is the rule above (``x`` is
+  kept with probability ``p_j(x)``, and a rejection draws from ``p_j`` without ``x``, the
+  residual), and it emits exactly the tokens the request would get without drafts. So its tokens
+  depend neither on the batch nor on how many drafts a step verifies (which the token budget and
+  free blocks decide).
 
 Logprobs follow the :class:`Sampler`: the log_softmax of the logits as given (before
 penalties and temperature), one row per emitted token (see :class:`RejectionSamplerOutput`).
@@ -58,7 +67,7 @@ from runtime.sample.filters import (
     random_sample,
 )
 from runtime.sample.logprobs import LogprobsTensors, gather_logprobs
-from runtime.sample.metadata import SamplingMetadata
+from runtime.sample.metadata import SamplingMetadata, step_generator
 from runtime.sample.sampler import Sampler
 from runtime.sample.upload import upload
 
@@ -261,6 +270,9 @@ class RejectionSampler(nn.Module):
         argmax = None if metadata.all_random else self.sampler.argmax(logits)  # [T]
         probs = None if metadata.all_greedy else self.target_probs(logits, rows_md)  # [T, V]
 
+        # Seeded rows named by position, one-hot drafts: each position's own sample (see the module docstring).
+        positional = {} if probs is None or draft_probs is not None else self._positional_samples(probs, layout, metadata)
+        generators = {row: g for row, g in metadata.generators.items() if row not in positional}
         # Accept or reject every draft at once; a request keeps the prefix before its first rejection.
         accepted = torch.zeros(layout.num_drafts, dtype=torch.bool, device=device)
         if argmax is not None:
@@ -271,10 +283,13 @@ class RejectionSampler(nn.Module):
                 q_draft = torch.ones_like(p_draft)
             else:
                 q_draft = draft_probs.to(torch.float32).gather(1, draft_token_ids[:, None]).squeeze(1)
-            uniform = self._uniforms(layout, metadata.generators)  # [D]
+            uniform = self._uniforms(layout, generators)  # [D]
             # u < p / q, written without a division: q = 0 accepts any p > 0, p = 0 never accepts.
             random_accepted = uniform * q_draft < p_draft
             accepted = torch.where(is_greedy[layout.draft_req], accepted, random_accepted)
+            for row, (start, samples) in positional.items():
+                count = samples.shape[0] - 1
+                accepted[start : start + count] = samples[:count] == draft_token_ids[start : start + count]
         accept_matrix = torch.zeros(num_reqs, max(layout.max_k, 1), dtype=torch.int64, device=device)
         accept_matrix[layout.draft_req, layout.draft_pos] = accepted.to(torch.int64)
         num_accepted = accept_matrix.cumprod(dim=1).sum(dim=1)  # [R]
@@ -297,7 +312,9 @@ class RejectionSampler(nn.Module):
                 usable = rejected & (residual.sum(dim=1) > 0)
                 final_probs = torch.where(usable[:, None], residual, final_probs)
             # random_sample draws from unnormalised weights (the exponential race is scale-free).
-            sampled = random_sample(final_probs, metadata.generators)  # [R]
+            sampled = random_sample(final_probs, generators)  # [R]
+            for row, (_, samples) in positional.items():
+                sampled[row] = samples[num_accepted[row]]
             final = sampled if final is None else torch.where(is_greedy, final, sampled)
         assert final is not None
 
@@ -319,6 +336,28 @@ class RejectionSampler(nn.Module):
         logits: [N, V] float32 after :meth:`Sampler.process_logits`; metadata: one row per logits row.
         """
         return self.sampler.random_probs(logits, metadata)
+
+    @staticmethod
+    def _positional_samples(
+        probs: torch.Tensor, layout: SpecDecodeLayout, metadata: SamplingMetadata
+    ) -> dict[int, tuple[int, torch.Tensor]]:
+        """Request row -> (its first draft's index, its token at each of its ``k + 1`` positions), for the
+        seeded rows of ``metadata.seeds``: position ``j`` draws as :func:`random_sample` draws with
+        ``step_generator(seed, output position + j)``, the generator the Sampler takes there."""
+        if not metadata.seeds:
+            return {}
+        counts = layout.num_draft_tokens.tolist()
+        row_starts = layout.row_start.tolist()
+        draft_starts = layout.draft_start.tolist()
+        result = {}
+        for row, (seed, position) in metadata.seeds.items():
+            rows = probs[row_starts[row] : row_starts[row] + counts[row] + 1]  # [k + 1, V]
+            noise = torch.empty_like(rows)
+            for j in range(rows.shape[0]):
+                noise[j].exponential_(generator=step_generator(seed, position + j, probs.device))
+            noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+            result[row] = (draft_starts[row], rows.div(noise).argmax(dim=1))
+        return result
 
     @staticmethod
     def _uniforms(layout: SpecDecodeLayout, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -29,15 +29,6 @@ logger = logging.getLogger(__name__)
 PROMPT_LOGPROBS_CHUNK = 512  # positions per logits matmul when computing prompt logprobs
 
 
-def step_generator(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
-    """A generator for one sampled position of a seeded request.
-
-    Deriving it from (seed, position) keeps seeded outputs identical whatever the
-    batch, and across preemption and recompute.
-    """
-    return torch.Generator(device=device).manual_seed(hash((seed, num_output_tokens)) & 0x7FFF_FFFF_FFFF_FFFF)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, platform, device: torch.device):
         self.config = config
@@ -350,13 +341,12 @@ class ModelRunner:
         self.apply_token_bitmask(logits, bitmask, logits_rows)
 
     def _sampling_metadata(self, states: list[CachedRequestState]):
-        from runtime.sample.metadata import build_sampling_metadata
+        from runtime.sample.metadata import build_sampling_metadata, step_generator
 
         output_token_ids = [self.input_batch.output_token_ids(s) for s in states]
-        generators = [
-            step_generator(s.sampling_params.seed, len(output), self.device) if s.sampling_params.seed is not None else None
-            for s, output in zip(states, output_token_ids)
-        ]
+        seeds = [(s.sampling_params.seed, len(output)) if s.sampling_params.seed is not None else None
+                 for s, output in zip(states, output_token_ids)]
+        generators = [None if key is None else step_generator(*key, self.device) for key in seeds]
         return build_sampling_metadata(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],
@@ -364,6 +354,7 @@ class ModelRunner:
             generators,
             self.model_config.vocab_size,
             self.device,
+            seeds=seeds,
         )
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
