@@ -9,6 +9,8 @@ chunks too.
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 
 import httpx
 import openai
@@ -147,6 +149,26 @@ def test_chat_stream_equals_unary(client):
     assert all(c.usage is None for c in client.chat.completions.create(**kwargs, stream=True))
 
 
+def test_continuous_usage_stats_only_with_include_usage(client):
+    """vLLM's ``continuous_usage_stats`` puts usage in every chunk, the role chunks too, but only with
+    ``include_usage``; alone it changes nothing (it gave usage in every chunk, and no usage chunk)."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], temperature=0, max_tokens=4, n=2,
+                extra_body={"ignore_eos": True}, stream=True)
+    alone = {"continuous_usage_stats": True}
+    assert all(c.usage is None for c in client.chat.completions.create(**chat, stream_options=alone))
+    assert all(c.usage is None for c in complete(client, "hi", n=2, stream=True, stream_options=alone))
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(**chat, stream_options=both))
+    assert all(c.usage is not None for c in chunks)
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 8
+    roles = [c for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert len(roles) == 2 and all(c.usage.model_dump() == {**final.model_dump(), "completion_tokens": 0,
+                                                            "total_tokens": final.prompt_tokens} for c in roles)
+    chunks = list(complete(client, "hi", n=2, stream=True, stream_options=both))
+    assert all(c.usage is not None for c in chunks) and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS
+
 def test_stream_interval_same_text_fewer_chunks(server, client):
     """A chunk once --stream-interval new tokens are in (the first at once); a reader that falls behind
     gets what queued up as one chunk, so there may be fewer still, never more, and never other text."""
@@ -225,6 +247,29 @@ def test_prompt_forms_and_echo(client, hf):
         assert len(got) == len(tokenizer.encode(split)) + MAX_TOKENS and got == sorted(got)
 
 
+def test_completion_top_logprobs_hold_the_chosen_token(client):
+    """OpenAI's (and vLLM's) completions logprobs: the ``logprobs`` most likely tokens and the chosen one,
+    up to logprobs + 1 entries (a sampled or prompt token outside the top was left out; logprobs=0 gave {})."""
+    sample = dict(prompt="The sky is", temperature=1.5, seed=3, echo=True)
+    for num in (0, 1):
+        unary = complete(client, logprobs=num, **sample).choices[0].logprobs
+        streamed = [c.choices[0].logprobs for c in complete(client, logprobs=num, stream=True, **sample)
+                    if c.choices and c.choices[0].logprobs]
+        for lp in [unary, *streamed]:
+            assert lp.top_logprobs
+            for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+                if top is None:  # the first prompt token
+                    continue
+                assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= num + 1
+                if num == 0:
+                    assert top == {token: logprob}
+                else:
+                    assert max(top.values()) >= logprob
+        tops = [top for top in unary.top_logprobs if top]
+        assert len(tops) == len(unary.tokens) - 1
+        if num == 1:
+            assert any(len(top) == 2 for top in tops)  # a prompt token outside the top 1 is there too
+
 def test_max_tokens_variants(client):
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0, extra_body={"ignore_eos": True})
     assert client.chat.completions.create(max_completion_tokens=3, **chat).usage.completion_tokens == 3
@@ -263,6 +308,68 @@ def test_64_concurrent_streams_equal_solo_runs(server, client):
     assert asyncio.run(run_all()) == solo
     assert server.metric("runtime:num_requests_running") == 0
 
+
+def check_stream_shape(events: list[dict], num_choices: int, include_usage: bool) -> None:
+    """OpenAI's chunks: each choice index finishes once, in its last chunk; the usage chunk (choices
+    empty) comes last, and only when asked for."""
+    finished: set[int] = set()
+    for event in events:
+        assert "error" not in event, event
+        for choice in event["choices"]:
+            assert choice["index"] not in finished, event
+            if choice["finish_reason"] is not None:
+                finished.add(choice["index"])
+    assert finished == set(range(num_choices))
+    if include_usage:
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] > 0
+    else:
+        assert all(event.get("usage") is None for event in events)
+
+
+def test_streams_dropped_mid_way_or_read_slowly_leave_nothing_running(server):
+    """Many streams at once (n > 1, logprobs, stop strings, usage): some clients hang up after a few
+    chunks, some read slowly, the rest read all; afterwards nothing runs or waits and new requests work."""
+
+    async def one(http: httpx.AsyncClient, i: int) -> str:
+        rng = random.Random(i)
+        n = rng.choice([1, 2, 3])
+        usage = rng.random() < 0.5
+        body = {"model": MODEL, "max_tokens": rng.choice([6, 40]), "n": n, "stream": True, "ignore_eos": True,
+                "temperature": 1.0, "seed": i, "stop": ["e", "the"] if rng.random() < 0.4 else None,
+                "stream_options": {"include_usage": usage, "continuous_usage_stats": rng.random() < 0.5}}
+        if i % 2:
+            path, body = "/v1/completions", {**body, "prompt": rng.choice(["hi", [[1, 2, 3], [4, 5]]]), "logprobs": 2}
+            n *= 1 if isinstance(body["prompt"], str) else 2
+        else:
+            path, body = "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "hi"}],
+                                                  "logprobs": True, "top_logprobs": 2}
+        mode = ("drop", "slow", "full")[i % 3]
+        events = []
+        async with http.stream("POST", path, json=body) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                events.append(json.loads(line[6:]))
+                if mode == "drop" and len(events) == 1 + i % 4:
+                    return "dropped"  # closes the connection mid-stream
+                if mode == "slow":
+                    await asyncio.sleep(0.05)
+        check_stream_shape(events, n, usage)
+        return mode
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=server.url, headers=server.headers(), timeout=120) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(30)))
+
+    done = asyncio.run(run_all())
+    assert done.count("dropped") >= 5 and done.count("full") == 10 and done.count("slow") == 10
+    assert wait_for(lambda: server.metric("runtime:num_requests_running") == 0
+                    and server.metric("runtime:num_requests_waiting") == 0)
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert complete(server.client(), "still there?").usage.completion_tokens == MAX_TOKENS
 
 def test_client_disconnect_aborts(server):
     before = server.metric("runtime:request_success_total", finished_reason="abort")

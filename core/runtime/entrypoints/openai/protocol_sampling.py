@@ -179,6 +179,11 @@ class SamplingFields(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk: vLLM's ``continuous_usage_stats``, which counts only with ``include_usage``."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
 
 def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
     if not logit_bias:

@@ -59,7 +59,9 @@ class OpenAIServingChat(OpenAIServing):
             raise structured_output_error(exc, params, request.structured_output_param()) from None
         stream = prepend(first, rest)
         if request.stream:
-            return StreamingResponse(self._stream(request, model, request_id, stream), media_type="text/event-stream")
+            num_prompt = len(first.prompt_token_ids or ()) if first is not None else 0
+            body = self._stream(request, model, request_id, stream, num_prompt)
+            return StreamingResponse(body, media_type="text/event-stream")
         final = None
         async for output in stream:
             final = output
@@ -166,16 +168,17 @@ class OpenAIServingChat(OpenAIServing):
 
     # -------------------------------------------------------------- streaming
     async def _stream(
-        self, request: ChatCompletionRequest, model: str, request_id: str, stream: AsyncGenerator[RequestOutput, None]
+        self, request: ChatCompletionRequest, model: str, request_id: str, stream: AsyncGenerator[RequestOutput, None],
+        num_prompt: int = 0,
     ) -> AsyncGenerator[str, None]:
-        num_prompt = num_generated = 0
-        continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        num_generated = 0
+        continuous = request.continuous_usage
         readers = {index: self.tool_call_reader(request) for index in range(request.n)}
         chunks = StreamChunks(request_id, model, "chat.completion.chunk")
         try:
             for index in range(request.n):
                 role = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-                yield chunks.event([role.model_dump()])
+                yield chunks.event([role.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None)
             async for output in stream:
                 num_prompt = len(output.prompt_token_ids or ())
                 for completion in output.outputs:

@@ -125,6 +125,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             out.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen else None)
             top = top_entries(position, num_top)
+            if chosen is not None and all(t != token_id for t, _ in top):
+                top.append((token_id, chosen))  # OpenAI's (and vLLM's): the chosen token too, up to logprobs + 1
             out.top_logprobs.append({self.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in top})
         return offset
 
@@ -135,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = num_generated = 0
         offsets: dict[int, int] = {}  # choice index -> text offset so far (for logprobs)
         chunks = StreamChunks(request_id, model, "text_completion")
-        continuous = bool(request.stream_options and request.stream_options.continuous_usage_stats)
+        continuous = request.continuous_usage
         merged = merge_streams(streams)
         try:
             async for prompt_index, output in merged:
