@@ -126,6 +126,14 @@ REPRODUCTIONS = [
          "type": "object", "properties": {"a": {"type": "integer", "minimum": 10**20}}}}}]}, 400,
      "tools.0.function.parameters"),
     ("tokenize-no-messages", "/tokenize", {"messages": []}, 400, "messages"),
+    # errors that named no field (param null)
+    ("detokenize-out-of-vocab", "/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+    ("detokenize-negative", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("tokenize-neither", "/tokenize", {}, 400, "prompt"),
+    ("tokenize-both", "/tokenize", {"prompt": "hi", "messages": CHAT}, 400, "messages"),
+    ("chat-image-part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
+     "messages"),
     # min_tokens past the context when max_tokens is left to the context (it generated ~8k tokens on the fuzzer's server)
     ("min_tokens-past-context", "/v1/completions", {"prompt": "hi", "max_tokens": None, "min_tokens": 10**6}, 400,
      "min_tokens"),

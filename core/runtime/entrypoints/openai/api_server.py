@@ -26,7 +26,9 @@ from runtime.engine.core_client import EngineStartupError, raise_if_stop_request
 from runtime.entrypoints.openai import middleware
 from runtime.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from runtime.entrypoints.openai.limits import RequestLimits
-from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from runtime.entrypoints.openai.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidField, TokenizeRequest,
+)
 from runtime.entrypoints.openai.request_logger import DEFAULT_MAX_LOG_LEN, RequestLogger
 from runtime.entrypoints.openai.responses import ModelCard, ModelList
 from runtime.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -130,7 +132,7 @@ def _detokenize(engine, tokens: list[int]) -> str:
     vocab = engine.model_config.vocab_size
     bad = next((t for t in tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise ValueError(f"tokens: token id {bad} is out of range; valid ids are 0..{vocab - 1}")
+        raise InvalidField("tokens", f"tokens: token id {bad} is out of range; valid ids are 0..{vocab - 1}")
     return engine.tokenizer.decode(tokens)
 
 
@@ -138,7 +140,7 @@ def _tokenize(chat: OpenAIServingChat, body: TokenizeRequest) -> list[int]:
     if chat.tokenizer is None:
         raise ValueError("tokenize needs a tokenizer; the server runs with skip_tokenizer_init")
     if (body.prompt is None) == (body.messages is None):
-        raise ValueError("tokenize needs exactly one of prompt or messages")
+        raise InvalidField("prompt" if body.prompt is None else "messages", "tokenize needs exactly one of prompt or messages")
     if body.messages is not None:
         request = ChatCompletionRequest(
             messages=body.messages, tools=body.tools, tool_choice="none", add_generation_prompt=body.add_generation_prompt,

@@ -32,7 +32,7 @@ class ChatMessage(OpenAIBaseModel):
             texts = []
             for part in content:
                 if part.get("type") != "text":
-                    raise ValueError(f"only text content parts are supported, got type {part.get('type')!r}")
+                    raise InvalidField("messages", f"only text content parts are supported, got type {part.get('type')!r}")
                 text = part.get("text", "")
                 if not isinstance(text, str):
                     raise ValueError(f"messages: the 'text' of a text content part must be a string, got {type(text).__name__}")
