@@ -10,8 +10,10 @@ the same calls; bad requests are 400s in OpenAI's shape and the server keeps ser
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -364,6 +366,25 @@ def test_a_spec_past_the_compile_memory_limit_is_a_400(server, client):
     out = client.chat.completions.create(messages=ASK, extra_body={"guided_choice": CHOICES}, **GREEDY)
     assert out.choices[0].message.content in CHOICES
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_compiles_of_clients_that_hung_up_leave_the_workers_to_others(server):
+    """Six requests with distinct slow regexes (~8 s each to compile on a 2-core machine) whose clients hang up
+    after 0.3 s: their compiles are taken off the queue or, running, killed, so another client's small regex compiles
+    at once. Before, it queued behind them and failed after 64 s naming its own regex (fuzzed, session 33)."""
+    def hang_up(i: int) -> None:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "guided_regex": "([a-z]{1,10} ){1,%d}" % (300 + i)}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.3)
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        list(pool.map(hang_up, range(6)))
+    start = time.monotonic()
+    response = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 3, "guided_regex": "[0-9]{3}"})
+    assert response.status_code == 200, response.text
+    assert re.fullmatch("[0-9]{3}", response.json()["choices"][0]["text"])
+    assert time.monotonic() - start < 10
 
 
 def test_auto_tool_choice_needs_the_server_flags():

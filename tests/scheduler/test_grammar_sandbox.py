@@ -130,3 +130,27 @@ def test_a_compiler_the_child_cannot_load_fails_each_compile_clearly():
         assert box.num_processes == 0
     finally:
         box.close()
+
+
+def test_a_cancelled_compile_is_killed_and_the_next_one_works(sandbox):
+    """CompileHandle.cancel from another thread kills the child running the compile (the call raises
+    CompileCancelled at once, not at its deadline); a handle cancelled before its compile starts stops it there."""
+    from runtime.scheduler.grammar_sandbox import CompileCancelled, CompileHandle
+
+    handle = CompileHandle()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(sandbox.compile, "regex", "sleep:60", later(), handle)
+        deadline = time.monotonic() + 30
+        while handle._child is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = handle._child.process.pid
+        start = time.monotonic()
+        handle.cancel()
+        with pytest.raises(CompileCancelled):
+            running.result(timeout=10)
+        assert time.monotonic() - start < 5 and not alive(pid) and sandbox.num_processes == 0
+    early = CompileHandle()
+    early.cancel()
+    with pytest.raises(CompileCancelled):
+        sandbox.compile("regex", "echo:never", later(), early)
+    assert sandbox.compile("regex", "echo:next", later())[0][1] == "next"

@@ -48,6 +48,32 @@ class CompileFailed(RuntimeError):
     """The compiler raised something other than ValueError, or its process died for another reason."""
 
 
+class CompileCancelled(Exception):
+    """The compile was stopped through its :class:`CompileHandle` (no request waits for it any more)."""
+
+
+class CompileHandle:
+    """Lets another thread stop one :meth:`GrammarSandbox.compile`: :meth:`cancel` kills the child process
+    running it, or keeps it from starting. The call then raises :class:`CompileCancelled`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._child: _Child | None = None
+        self.cancelled = False
+
+    def _attach(self, child: _Child | None) -> bool:
+        """The compile runs in ``child`` from now on (None: it ended); False if it was cancelled meanwhile."""
+        with self._lock:
+            self._child = child
+            return not self.cancelled
+
+    def cancel(self) -> None:
+        with self._lock:  # under the lock: the child cannot go back to the idle ones meanwhile
+            self.cancelled = True
+            if self._child is not None:
+                self._child.signal_kill()  # the compiling thread sees the pipe close, then reaps and closes it
+
+
 class GrammarSandbox:
     """Runs ``compiler(kind, spec)`` in child processes: at most ``memory_limit`` bytes of address
     space beyond what the child holds once the compiler is loaded, killed at the deadline each call
@@ -61,20 +87,28 @@ class GrammarSandbox:
         self._busy: set[_Child] = set()
         self._closed = False
 
-    def compile(self, kind: str, spec: str, deadline: float) -> tuple[object, int]:
+    def compile(self, kind: str, spec: str, deadline: float, handle: CompileHandle | None = None) -> tuple[object, int]:
         """The artifact of ``compiler(kind, spec)`` and the bytes it took in the reply; or raises
         ValueError (a bad spec, including :class:`CompileOutOfMemory`), :class:`CompileTimeout`
-        (``time.monotonic()`` passed ``deadline``) or :class:`CompileFailed`."""
+        (``time.monotonic()`` passed ``deadline``), :class:`CompileCancelled` (through ``handle``) or
+        :class:`CompileFailed`."""
         child = self._take()
         healthy = False
         try:
+            if handle is not None and not handle._attach(child):
+                healthy = True  # never asked: the child stays as it was
+                raise CompileCancelled()
             reply, size = child.ask(pickle.dumps((kind, spec), protocol=pickle.HIGHEST_PROTOCOL), deadline)
             healthy = True
-        except CompileTimeout:
+        except (CompileTimeout, CompileCancelled):
             raise
         except _ChildDied as died:
+            if handle is not None and handle.cancelled:
+                raise CompileCancelled() from None
             raise self._death_error(kind, died.returncode) from None
         finally:
+            if handle is not None and not handle._attach(None):
+                healthy = False  # cancelled: its child may have been killed
             self._give_back(child, healthy)
         status, *detail = reply
         if status == "ok":
@@ -185,6 +219,14 @@ class _Child:
             chunks.append(chunk)
             left -= len(chunk)
         return b"".join(chunks)
+
+    def signal_kill(self) -> None:
+        """SIGKILL only, safe from another thread than the one reading the pipes (which then sees them end)."""
+        if self.process.returncode is None:
+            try:
+                self.process.kill()
+            except OSError:
+                pass
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -85,6 +85,7 @@ class Scheduler:
                 self.running.remove(request)
             elif request in self.waiting_for_grammar:
                 self.waiting_for_grammar.remove(request)
+                self.structured_output.release(request.grammar)  # a compile nobody waits for is dropped
             elif self.kv_connector is not None and (
                     request.request_id in self.kv_connector.waiting_remote or request.request_id in self.kv_connector.loading):
                 pass  # its remote load is dropped (or its blocks held until its background load ends) when it is freed

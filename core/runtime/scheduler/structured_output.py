@@ -13,6 +13,12 @@ each compile may use ``structured_output_compile_memory_bytes`` of memory and is
 time limit, so no spec can take the engine's memory or a compile thread for good. The cache of
 compiled grammars is bounded by their size as well as their number.
 
+A compile that no request waits for any more (they were aborted, or their time limit passed) is
+dropped: taken off the queue, or, compiling in a child process, killed. So clients that send slow
+specs and hang up hold no compile worker that another client's grammar needs. A compile's own
+time limit starts when it starts; a request that waited its whole time limit in the queue fails
+with a message saying so.
+
 Each step, :meth:`StructuredOutputManager.grammar_bitmask` gives the scheduled constrained
 requests their bitmask rows, to be filled with their grammars' allowed next tokens when the
 model runner asks for them: after it has queued the step's forward pass, so that the host
@@ -102,6 +108,9 @@ class StructuredOutputManager:
         # Compiles of the current pool still running past a request's time limit. A thread cannot
         # be stopped, so once they hold every thread of the pool, new compiles go to a new pool.
         self._overdue: set[concurrent.futures.Future] = set()
+        # Pending compiles -> the requests waiting for each, and the handle that stops an isolated one.
+        self._waiters: dict[concurrent.futures.Future, int] = {}
+        self._handles: dict[concurrent.futures.Future, object] = {}
 
     @staticmethod
     def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -114,12 +123,47 @@ class StructuredOutputManager:
         future = self._cache.get(key)
         deadline = time.monotonic() + self.compile_timeout
         if future is None or not _reusable(future):
-            future = self._pool.submit(self._compile, kind, spec, deadline)
+            from runtime.scheduler.grammar_sandbox import CompileHandle
+
+            handle = CompileHandle()
+            future = self._pool.submit(self._compile, kind, spec, handle)
+            self._handles[future] = handle
+            future.add_done_callback(self._compile_ended)
             self._cache[key] = future
             self._evict()
         else:
             self._cache.move_to_end(key)
+        if not future.done():
+            self._waiters[future] = self._waiters.get(future, 0) + 1
         return RequestGrammar(kind, spec, future, deadline)
+
+    def _compile_ended(self, future: concurrent.futures.Future) -> None:
+        # (in the compile thread, or the scheduler's on cancel: dict operations are atomic)
+        self._handles.pop(future, None)
+
+    def release(self, request_grammar: RequestGrammar) -> None:
+        """The request left before its grammar was ready (aborted): it no longer waits for the compile."""
+        if request_grammar.grammar is None:
+            self._unwait(request_grammar.future)
+
+    def _unwait(self, future: concurrent.futures.Future) -> None:
+        """One request fewer waits for ``future``; with none left, a pending compile is dropped (see the
+        module docstring)."""
+        left = self._waiters.get(future, 0) - 1
+        if left > 0:
+            self._waiters[future] = left
+            return
+        self._waiters.pop(future, None)
+        if future.done():
+            return
+        if not future.cancel():  # running: a compile in a child process is killed (one in a thread cannot be
+            handle = self._handles.get(future)  # stopped, and stays cached for a request of the same spec to join)
+            if handle is None or (self._backend is not None and self._sandbox is None):
+                return
+            handle.cancel()
+        for key, cached in list(self._cache.items()):
+            if cached is future:
+                del self._cache[key]  # the next request for it compiles it afresh
 
     def _evict(self) -> None:
         """Drop the least recently used grammars past CACHE_SIZE of them or CACHE_BYTES of artifacts
@@ -129,10 +173,11 @@ class StructuredOutputManager:
             _, future = self._cache.popitem(last=False)
             total -= _artifact_bytes(future)
 
-    def _compile(self, kind: str, spec: str, deadline: float) -> tuple[Grammar, int]:
+    def _compile(self, kind: str, spec: str, handle) -> tuple[Grammar, int]:
         from runtime.structured_output import GuidedKind
 
         start = time.perf_counter()
+        deadline = time.monotonic() + self.compile_timeout  # from the compile's start, not its request's arrival
         backend = self._get_backend()
         if self._sandbox is None:
             grammar, size = backend.compile(GuidedKind(kind), spec), 0
@@ -140,7 +185,7 @@ class StructuredOutputManager:
             from runtime.scheduler.grammar_sandbox import CompileTimeout
 
             try:
-                artifact, size = self._sandbox.compile(kind, spec, deadline)
+                artifact, size = self._sandbox.compile(kind, spec, deadline, handle)
             except CompileTimeout:
                 raise TimeoutError(self._timeout_message(kind)) from None
             grammar = backend.load_compiled(GuidedKind(kind), spec, artifact)
@@ -171,14 +216,23 @@ class StructuredOutputManager:
             return True
         future = request_grammar.future
         if future.cancelled():  # queued behind runaway compiles in a pool since replaced: queue it again
+            self._unwait(future)
             request_grammar.future = self.submit(request_grammar.kind, request_grammar.spec).future
             return False
         if not future.done():
             if time.monotonic() < request_grammar.deadline:
                 return False
-            if self._sandbox is None:  # an isolated compile is killed at the deadline: it frees its thread
+            queued = not future.running()
+            if self._sandbox is None:  # an isolated compile is killed at its deadline: it frees its thread
                 self._note_overdue(future)
+            self._unwait(future)
+            if queued:
+                raise ValueError(
+                    f"the {request_grammar.kind} grammar waited {self.compile_timeout:g} s "
+                    "(structured_output_compile_timeout) for a compile worker, all busy with other requests' grammars; "
+                    "retry later")
             raise ValueError(self._timeout_message(request_grammar.kind))
+        self._unwait(future)
         error = future.exception()
         if error is not None:
             self._forget(request_grammar, future)

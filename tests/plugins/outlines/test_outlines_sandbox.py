@@ -93,8 +93,9 @@ def test_a_spec_past_the_time_limit_is_stopped(make_manager):
     assert manager._sandbox.num_processes == 0
     assert not isinstance(compile_now(manager, "regex", "[0-9]{3}"), Exception)
     # A timed-out spec is not remembered as bad (it may compile on a less loaded machine): it compiles again.
-    failed = manager._cache[("regex", "[a-z]{20000}")]
-    assert isinstance(failed.exception(), TimeoutError)
+    # (Its compile was dropped from the cache when its only request gave up, or it ended there as a timeout.)
+    failed = manager._cache.get(("regex", "[a-z]{20000}"))
+    assert failed is None or isinstance(failed.exception(), TimeoutError)
     again = manager.submit("regex", "[a-z]{20000}")
     assert again.future is not failed and manager._cache[("regex", "[a-z]{20000}")] is again.future
 
