@@ -112,6 +112,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (every other logit is -inf); None: all.
+    allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Prefix-cache isolation: only requests with the same salt share cached blocks.
     cache_salt: str | None = None
@@ -186,6 +188,10 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", "None or a non-empty string")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "None or a non-empty list of token ids")
 
     @property
     def is_greedy(self) -> bool:

@@ -260,3 +260,30 @@ def test_smollm2_stop_strings_and_constrained_requests(smollm2):
         tokens = out.outputs[0].token_ids
         assert (tokens[:-1] if tokens[-1] == 2 else tokens) in sequences, tokens  # 2: SmolLM2's EOS
     assert accepted_tokens(smollm2) > before  # the free requests beside them speculated
+
+
+def test_allowed_token_ids_with_and_without_speculation_equal_transformers(pair, pair_path):
+    """vLLM's allowed_token_ids, greedy: the engine's tokens are transformers' greedy tokens over the allowed ids
+    alone (the other logits at -inf), with and without ngram drafts (the mask applies at every verified position)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base, spec, prompts = pair
+    expected_free = [o.outputs[0].token_ids for o in generate(base, prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                              ignore_eos=True))]
+    allowed = sorted({t for tokens in expected_free for t in tokens[::2]})  # the model's likely tokens, half of them
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+    model = AutoModelForCausalLM.from_pretrained(pair_path, dtype=torch.float32).eval()
+    banned = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    banned[allowed] = False
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(12):
+                logits = model(torch.tensor([ids])).logits[0, -1].masked_fill(banned, float("-inf"))
+                ids.append(int(logits.argmax()))
+            expected.append(ids[len(prompt):])
+    assert [o.outputs[0].token_ids for o in generate(base, prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in generate(spec, prompts, params)] == expected
+    assert expected != expected_free

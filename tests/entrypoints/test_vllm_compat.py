@@ -104,3 +104,30 @@ def test_requests_and_periodic_stats_are_logged(server, client):
     assert "Received request cmpl-" in log and "prompt: 'Log me'" in log
     assert "Avg prompt throughput: " in log and "Running: " in log
     assert "default sampling parameters from the model's generation config" in log
+
+
+def test_allowed_token_ids_restrict_the_sampled_tokens(server, client, tiny_llama):
+    """vLLM's ``allowed_token_ids``: every sampled token is one of them (greedy, and random with n > 1, streamed too);
+    an empty list or an id outside the vocabulary is a 400 naming the field."""
+    from transformers import AutoTokenizer
+
+    allowed = [100, 200, 300, 400]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert len(texts) == len(allowed)
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, logprobs=1, temperature=0.0,
+                                    extra_body={"allowed_token_ids": allowed, **NO_EOS})
+    assert len(out.choices[0].logprobs.tokens) == 6 and set(out.choices[0].logprobs.tokens) <= texts
+    sampled = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, n=3, temperature=1.0, seed=1,
+                                        logprobs=1, stream=True, extra_body={"allowed_token_ids": allowed, **NO_EOS})
+    tokens: dict[int, list[str]] = {}
+    for chunk in sampled:
+        for choice in chunk.choices:
+            tokens.setdefault(choice.index, []).extend(choice.logprobs.tokens if choice.logprobs else [])
+    assert sorted(tokens) == [0, 1, 2] and all(len(t) == 6 and set(t) <= texts for t in tokens.values()), tokens
+    for bad in ([], [10**9]):
+        response = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                              json={"model": "tiny", "prompt": "Hello", "max_tokens": 2, "allowed_token_ids": bad})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "allowed_token_ids" and "allowed_token_ids" in error["message"], error

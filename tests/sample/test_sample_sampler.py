@@ -45,7 +45,8 @@ def test_argmax_only_rows_take_the_argmax_in_the_logits_own_dtype(monkeypatch):
     assert torch.equal(out.sampled_token_ids, logits.float().argmax(dim=1)) and out.sampled_token_ids[2] == 7
     for params in (SamplingParams(temperature=0.0, logit_bias={3: 1.0}), SamplingParams(temperature=0.0, logprobs=1),
                    SamplingParams(temperature=0.0, repetition_penalty=1.2),
-                   SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])):
+                   SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]),
+                   SamplingParams(temperature=0.0, allowed_token_ids=[3, 9])):
         seen.clear()
         metadata = build_sampling_metadata([params] * 6, [[0, 1]] * 6, [[]] * 6, [None] * 6, VOCAB, logits.device)
         assert not Sampler.argmax_only(metadata)
@@ -133,3 +134,20 @@ def test_logprobs_are_raw_before_processing(run_sampler):
     assert out.logprobs.token_ids.shape == (2, 4)
     torch.testing.assert_close(out.logprobs.logprobs[:, 0], raw.gather(1, out.sampled_token_ids[:, None])[:, 0])
     torch.testing.assert_close(out.logprobs.logprobs[:, 1:], raw.topk(3, dim=1).values)
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows():
+    """vLLM's allowed_token_ids: a greedy row takes the best of its allowed ids, a random row draws only among them;
+    a row without them is untouched."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
+    allowed = [5, 17, 30]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, allowed_token_ids=allowed, seed=9)]
+    seen = set()
+    for step in range(200):
+        metadata = build_sampling_metadata(params, [[0]] * 3, [[]] * 3, [None, None, seeded(step)], VOCAB, torch.device("cpu"))
+        out = Sampler()(logits, metadata).sampled_token_ids.tolist()
+        assert out[0] == allowed[int(logits[0, allowed].argmax())] and out[1] == int(logits[1].argmax())
+        assert out[2] in allowed
+        seen.add(out[2])
+    assert seen == set(allowed)  # all three drawn over 200 steps (uniform-ish logits)

@@ -115,6 +115,10 @@ class InputProcessor:
             bad_bias = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
             if bad_bias is not None:
                 raise ValueError(f"logit_bias token id {bad_bias} is out of range; valid ids are 0..{vocab - 1}")
+        if params.allowed_token_ids:
+            bad_allowed = next((t for t in params.allowed_token_ids if not 0 <= t < vocab), None)
+            if bad_allowed is not None:
+                raise ValueError(f"allowed_token_ids: token id {bad_allowed} is out of range; valid ids are 0..{vocab - 1}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:

@@ -40,6 +40,8 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # min_tokens as two [S] tensors: logits[rows, token_ids] = -inf.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # allowed_token_ids as rows [A] and a bool mask [A, V] of the tokens each may sample (the others get -inf).
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     # row index -> the request's generator, for seeded random rows only.
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     # row index -> (seed, output position of the row's token), for seeded random rows whose caller names the position
@@ -70,6 +72,7 @@ def is_plain_greedy(params: SamplingParams) -> bool:
         and params.frequency_penalty == 0.0
         and params.repetition_penalty == 1.0
         and not params.logit_bias
+        and params.allowed_token_ids is None
         and params.min_tokens == 0
         and params.logprobs is None
         and params.prompt_logprobs is None
@@ -148,6 +151,7 @@ def build_sampling_metadata(
         output_token_ids=output_ids,
         logit_bias=_logit_bias(params, vocab_size, device),
         min_tokens_mask=_min_tokens_mask(params, output_token_ids, vocab_size, device),
+        allowed_tokens=_allowed_tokens(params, vocab_size, device),
         generators={i: g for i, g in enumerate(generators) if g is not None and not is_greedy[i]},
         seeds={i: key for i, key in enumerate(seeds or ()) if key is not None and not is_greedy[i]},
         max_num_logprobs=max(logprob_counts) if logprob_counts else None,
@@ -183,6 +187,22 @@ def _logit_bias(
         upload(token_ids, torch.int64, device),
         upload(values, torch.float32, device),
     )
+
+
+def _allowed_tokens(
+    params: list[SamplingParams], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, [rows, V] mask of the tokens they may sample) for the rows with allowed_token_ids."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = np.zeros((len(rows), vocab_size), dtype=np.bool_)
+    for r, i in enumerate(rows):
+        ids = [t for t in params[i].allowed_token_ids if 0 <= t < vocab_size]
+        if len(ids) != len(params[i].allowed_token_ids):
+            raise ValueError(f"allowed_token_ids has ids out of the vocabulary [0, {vocab_size})")
+        mask[r, ids] = True
+    return upload(rows, torch.int64, device), torch.from_numpy(mask).to(device)
 
 
 def _min_tokens_mask(

@@ -170,7 +170,7 @@ def expand_metadata(
 
     Every position repeats its request's parameters; position ``j`` sees the request's
     output tokens followed by its first ``j`` drafts (penalties as in sequential decoding);
-    logit_bias and the min_tokens mask apply to every position of their request. The
+    logit_bias, allowed_token_ids and the min_tokens mask apply to every position of their request. The
     result carries no generators (the rejection sampler draws per request).
     """
     idx = layout.row_req
@@ -197,6 +197,11 @@ def expand_metadata(
         rows, token_ids = metadata.min_tokens_mask
         new_rows, entry = _expand_entries(rows, layout)
         min_tokens_mask = (new_rows, token_ids[entry])
+    allowed_tokens = None
+    if metadata.allowed_tokens is not None:
+        rows, allowed = metadata.allowed_tokens
+        new_rows, entry = _expand_entries(rows, layout)
+        allowed_tokens = (new_rows, allowed[entry])
 
     return SamplingMetadata(
         num_rows=layout.num_rows,
@@ -215,6 +220,7 @@ def expand_metadata(
         output_token_ids=output_ids,
         logit_bias=logit_bias,
         min_tokens_mask=min_tokens_mask,
+        allowed_tokens=allowed_tokens,
         generators={},
         max_num_logprobs=metadata.max_num_logprobs,
     )

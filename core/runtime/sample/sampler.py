@@ -65,11 +65,15 @@ class Sampler(nn.Module):
     def argmax_only(metadata: SamplingMetadata) -> bool:
         """Every row greedy, with nothing that changes the logits or reads them back."""
         return (metadata.all_greedy and metadata.num_rows > 0 and metadata.max_num_logprobs is None
-                and metadata.logit_bias is None and metadata.min_tokens_mask is None and metadata.no_penalties)
+                and metadata.logit_bias is None and metadata.min_tokens_mask is None and metadata.allowed_tokens is None
+                and metadata.no_penalties)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Apply logit_bias, min_tokens and the penalties. logits: [N, V] float32."""
+        """Apply allowed_token_ids, logit_bias, min_tokens and the penalties. logits: [N, V] float32."""
+        if metadata.allowed_tokens is not None:
+            rows, allowed = metadata.allowed_tokens
+            logits = logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
         if metadata.logit_bias is not None:
             logits = apply_logit_bias(logits, metadata.logit_bias)
         if metadata.min_tokens_mask is not None:

@@ -26,6 +26,9 @@ MAX_LOGIT_BIAS = 1024
 StopStrings = Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[Int64], Field(fail_fast=True, max_length=MAX_STOP_TOKEN_IDS)]
 LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)]
+# vLLM's allowed_token_ids: at most a vocabulary's worth (one mask row per request and step whatever its length)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+AllowedTokenIds = Annotated[list[Int64], Field(fail_fast=True, max_length=MAX_ALLOWED_TOKEN_IDS)]
 
 
 # Free-form JSON fields (a JSON schema, tool parameters, kv_transfer_params, chat template arguments)

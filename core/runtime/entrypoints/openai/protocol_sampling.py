@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import Field
 
 from runtime.entrypoints.openai.protocol_base import (
+    AllowedTokenIds,
     Int64,
     InvalidField,
     JsonObject,
@@ -45,6 +46,7 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     min_tokens: Int64 = 0
     logit_bias: LogitBias | None = None
+    allowed_token_ids: AllowedTokenIds | None = None  # vLLM's: sample only these ids
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -99,6 +101,7 @@ class SamplingFields(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=parse_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             cache_salt=self.cache_salt,
             structured_outputs=self.structured_output_params(),
