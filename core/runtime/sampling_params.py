@@ -114,6 +114,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these token ids may be sampled (every other logit is -inf); None: all.
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output must not contain. A word is banned as its tokens with and without a leading space:
+    # once the output ends with all of a variant's tokens but the last, that last one gets -inf.
+    bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Prefix-cache isolation: only requests with the same salt share cached blocks.
     cache_salt: str | None = None
@@ -123,6 +126,7 @@ class SamplingParams:
     extra_args: dict | None = None
     # Filled by the engine, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # bad_words' token sequences
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -192,6 +196,9 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "None or a non-empty list of token ids")
+        if self.bad_words is not None and (
+                not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            raise bad("bad_words", "None or a list of non-blank strings")
 
     @property
     def is_greedy(self) -> bool:

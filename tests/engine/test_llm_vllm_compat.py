@@ -89,3 +89,43 @@ def test_llm_without_a_model_uses_the_embedded_default(model_path, monkeypatch):
     assert os.path.basename(default_model_path()) == SMOLLM2_GGUF
     monkeypatch.setattr(llm_module, "default_model_path", lambda: model_path)  # the tiny model stands in: fast
     assert LLM(dtype="float32", max_model_len=128).llm_engine.config.model_config.model == model_path
+
+
+def test_bad_words_are_never_generated_and_tokens_equal_transformers(model_path):
+    """vLLM's ``bad_words``: each word as its tokens with and without a leading space; once the output ends with
+    all of a variant's tokens but the last, that last token gets -inf. Greedy tokens equal a transformers loop with
+    the same rule, and the banned sequences never appear in the output; requests without bad words beside them are
+    untouched (also under async scheduling, where such a request is not scheduled ahead)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.engine.input_processor import bad_words_token_ids
+
+    prompts = ["Hello there", "Once upon a time", "The capital of France is"]
+    for settings in ({}, {"async_scheduling": True}):
+        engine = LLM(model_path, dtype="float32", max_model_len=128, block_size=4, **settings)
+        free = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        words = sorted({w for o in free for w in o.outputs[0].text.split()[1:3]})  # words the model does produce
+        tokenizer = engine.get_tokenizer()
+        sequences = bad_words_token_ids(tokenizer, words)
+        assert any(len(s) > 1 for s in sequences) and any(len(s) == 1 for s in sequences), sequences
+        params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, bad_words=words),
+                  SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+        banned = engine.generate([p for p in prompts for _ in params], params * len(prompts), use_tqdm=False)
+        del engine
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        for i, prompt in enumerate(prompts):
+            ids = tokenizer.encode(prompt)
+            output: list[int] = []
+            with torch.no_grad():
+                for _ in range(20):
+                    logits = model(torch.tensor([ids + output])).logits[0, -1]
+                    for seq in sequences:
+                        if len(seq) == 1 or output[len(output) - len(seq) + 1:] == seq[:-1]:
+                            logits[seq[-1]] = float("-inf")
+                    output.append(int(logits.argmax()))
+            got = banned[2 * i].outputs[0].token_ids
+            assert got == output, (settings, prompt)
+            assert not any(got[j:j + len(s)] == s for s in sequences for j in range(len(got)))
+            assert banned[2 * i + 1].outputs[0].token_ids == free[i].outputs[0].token_ids
+        assert any(banned[2 * i].outputs[0].token_ids != free[i].outputs[0].token_ids for i in range(len(prompts)))

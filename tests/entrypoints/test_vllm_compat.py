@@ -131,3 +131,16 @@ def test_allowed_token_ids_restrict_the_sampled_tokens(server, client, tiny_llam
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == "allowed_token_ids" and "allowed_token_ids" in error["message"], error
+
+
+def test_bad_words_reach_the_engine(server, client):
+    """vLLM's ``bad_words`` through the server: a word of the free output is not generated again; a blank word is a
+    400 naming the field."""
+    free = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0.0, extra_body=NO_EOS)
+    word = free.choices[0].text.split()[1]
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0.0,
+                                    extra_body={"bad_words": [word], **NO_EOS})
+    assert out.choices[0].text != free.choices[0].text and word not in out.choices[0].text.split()
+    response = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 2, "bad_words": ["  "]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "bad_words", response.text

@@ -103,7 +103,8 @@ class EngineCore:
         own token would pass max_tokens or max_model_len, or where min_tokens would be
         reached inside the run (the sampler's stop mask is exact only before it; see
         ``max_drafts_for_min_tokens``). Requests with a grammar (structured output) get none:
-        their drafts would have to be checked against the grammar first.
+        their drafts would have to be checked against the grammar first; nor do those with
+        bad words, whose banned tokens depend on the tokens before each position.
         """
         from runtime.sample.rejection_sampler import max_drafts_for_min_tokens
 
@@ -115,6 +116,7 @@ class EngineCore:
             if (
                 request.status != RequestStatus.RUNNING
                 or request.grammar is not None
+                or request.sampling_params.bad_words_token_ids  # its bans follow each sampled token
                 or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1  # not decoding (a prefill chunk is left)
             ):

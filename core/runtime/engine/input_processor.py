@@ -128,6 +128,8 @@ class InputProcessor:
                 raise ValueError(NO_GUIDED_BACKEND)
             if self.tokenizer is None:
                 raise ValueError("structured output needs the tokenizer; it is disabled by skip_tokenizer_init=True")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs the tokenizer; it is disabled by skip_tokenizer_init=True")
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
@@ -135,6 +137,8 @@ class InputProcessor:
         prompt_token_ids, prompt_text = self.tokenize(prompt)
         self.validate(prompt_token_ids, params)
         params = with_prompt_cache_salt(params.clone(), prompt)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         request = EngineCoreRequest(
             request_id=request_id,
@@ -145,6 +149,21 @@ class InputProcessor:
             eos_token_id=tokenizer_eos,
         )
         return request, prompt_text
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences that ban ``words``: each word as it is and after a space (at the start of the text and
+    inside it). vLLM keeps the second only when it has as many tokens as the first; here it is kept whenever it
+    differs, since a word inside a text is often one token with its space where it alone is several
+    (SmolLM2's " careful" against "care" + "ful")."""
+    sequences: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for sequence in (plain, spaced):
+            if sequence and sequence not in sequences:
+                sequences.append(sequence)
+    return sequences
 
 
 def with_prompt_cache_salt(params: SamplingParams, prompt: PromptType) -> SamplingParams:

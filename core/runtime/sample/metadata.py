@@ -38,7 +38,7 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None
     # logit_bias as three [B] tensors: logits[rows, token_ids] += values.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # min_tokens as two [S] tensors: logits[rows, token_ids] = -inf.
+    # min_tokens (and bad words) as two [S] tensors: logits[rows, token_ids] = -inf.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     # allowed_token_ids as rows [A] and a bool mask [A, V] of the tokens each may sample (the others get -inf).
     allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -73,6 +73,7 @@ def is_plain_greedy(params: SamplingParams) -> bool:
         and params.repetition_penalty == 1.0
         and not params.logit_bias
         and params.allowed_token_ids is None
+        and not params.bad_words_token_ids
         and params.min_tokens == 0
         and params.logprobs is None
         and params.prompt_logprobs is None
@@ -208,10 +209,16 @@ def _allowed_tokens(
 def _min_tokens_mask(
     params: list[SamplingParams], output_token_ids: list[list[int]], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row, token) pairs to forbid: stop tokens of rows still short of min_tokens."""
+    """(row, token) pairs to forbid: stop tokens of rows still short of min_tokens, and the token that would
+    complete one of a row's bad words (its output ends with all of the word's tokens but the last)."""
     rows: list[int] = []
     token_ids: list[int] = []
     for i, (p, output) in enumerate(zip(params, output_token_ids)):
+        for sequence in p.bad_words_token_ids:
+            prefix = len(sequence) - 1
+            if sequence[-1] < vocab_size and (prefix == 0 or (len(output) >= prefix and list(output[-prefix:]) == sequence[:-1])):
+                rows.append(i)
+                token_ids.append(sequence[-1])
         if len(output) >= p.min_tokens:
             continue
         # A stop id outside the logits can never be produced, so it needs no mask.

@@ -76,12 +76,12 @@ class Request:
         self.num_output_placeholders = 0
         # Whether the next step may be scheduled before this one's tokens are back: not when
         # sampling reads the request's own output ids on the host (penalties, min_tokens,
-        # the per-position seed) or the prompt logprobs still accumulate. A grammar may: the
+        # the per-position seed, bad words) or the prompt logprobs still accumulate. A grammar may: the
         # engine collects the step in flight before the next step's bitmask is filled.
         p = sampling_params
         self.schedules_ahead = (
             p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-            and not p.min_tokens and p.seed is None and p.prompt_logprobs is None
+            and not p.min_tokens and p.seed is None and p.prompt_logprobs is None and not p.bad_words_token_ids
         )
         # Structured output: a runtime.scheduler.structured_output.RequestGrammar, set when added.
         self.grammar = None

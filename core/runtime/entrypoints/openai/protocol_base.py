@@ -29,6 +29,8 @@ LogitBias = Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)]
 # vLLM's allowed_token_ids: at most a vocabulary's worth (one mask row per request and step whatever its length)
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
 AllowedTokenIds = Annotated[list[Int64], Field(fail_fast=True, max_length=MAX_ALLOWED_TOKEN_IDS)]
+MAX_BAD_WORDS = 1024  # vLLM's bad_words: each word's token sequences are matched against every row's output each step
+BadWords = Annotated[list[str], Field(max_length=MAX_BAD_WORDS)]
 
 
 # Free-form JSON fields (a JSON schema, tool parameters, kv_transfer_params, chat template arguments)

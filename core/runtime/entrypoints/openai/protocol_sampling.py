@@ -9,6 +9,7 @@ from pydantic import Field
 
 from runtime.entrypoints.openai.protocol_base import (
     AllowedTokenIds,
+    BadWords,
     Int64,
     InvalidField,
     JsonObject,
@@ -47,6 +48,7 @@ class SamplingFields(OpenAIBaseModel):
     min_tokens: Int64 = 0
     logit_bias: LogitBias | None = None
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM's: sample only these ids
+    bad_words: BadWords | None = None  # vLLM's: words the output must not contain
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -102,6 +104,7 @@ class SamplingFields(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=parse_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             cache_salt=self.cache_salt,
             structured_outputs=self.structured_output_params(),
