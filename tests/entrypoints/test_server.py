@@ -168,6 +168,15 @@ def test_continuous_usage_stats_only_with_include_usage(client):
     chunks = list(complete(client, "hi", n=2, stream=True, stream_options=both))
     assert all(c.usage is not None for c in chunks) and chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 2 * MAX_TOKENS
+    # Each choice's chunks count that choice's tokens so far (vLLM's), up to its own total.
+    for stream, per_choice in ((client.chat.completions.create(**chat, stream_options=both), 4),
+                               (complete(client, "hi", n=2, stream=True, stream_options=both, max_tokens=MAX_TOKENS), MAX_TOKENS)):
+        counts: dict[int, list[int]] = {}
+        for chunk in stream:
+            for choice in chunk.choices:
+                counts.setdefault(choice.index, []).append(chunk.usage.completion_tokens)
+        assert sorted(counts) == [0, 1]
+        assert all(c == sorted(c) and c[-1] == per_choice for c in counts.values()), counts
 
 def test_stream_interval_same_text_fewer_chunks(server, client):
     """A chunk once --stream-interval new tokens are in (the first at once); a reader that falls behind

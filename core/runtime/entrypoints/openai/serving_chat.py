@@ -179,13 +179,16 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(request.n):
                 role = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
                 yield chunks.event([role.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None)
+            generated = dict.fromkeys(range(request.n), 0)  # per choice: continuous usage is per choice, as vLLM's
             async for output in stream:
                 num_prompt = len(output.prompt_token_ids or ())
                 for completion in output.outputs:
                     num_generated += len(completion.token_ids)
+                    generated[completion.index] = generated.get(completion.index, 0) + len(completion.token_ids)
                     choice = self._stream_choice(request, completion, readers.get(completion.index))
                     if choice is not None:
-                        yield chunks.event([choice], UsageInfo.of(num_prompt, num_generated) if continuous else None)
+                        usage = UsageInfo.of(num_prompt, generated[completion.index]) if continuous else None
+                        yield chunks.event([choice], usage)
             if request.include_usage:
                 yield chunks.event([], UsageInfo.of(num_prompt, num_generated))
         except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream

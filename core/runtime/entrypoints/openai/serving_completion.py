@@ -136,6 +136,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         num_prompt = num_generated = 0
         offsets: dict[int, int] = {}  # choice index -> text offset so far (for logprobs)
+        generated: dict[int, int] = {}  # choice index -> its tokens so far (continuous usage is per choice, as vLLM's)
         chunks = StreamChunks(request_id, model, "text_completion")
         continuous = request.continuous_usage
         merged = merge_streams(streams)
@@ -147,9 +148,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     if first and completion.index == 0:
                         num_prompt += len(output.prompt_token_ids or ())
                     num_generated += len(completion.token_ids)
+                    generated[index] = generated.get(index, 0) + len(completion.token_ids)
                     choice = self._stream_choice(request, output, completion, index, first, offsets)
                     if choice is not None:
-                        yield chunks.event([choice], UsageInfo.of(num_prompt, num_generated) if continuous else None)
+                        usage = UsageInfo.of(len(output.prompt_token_ids or ()), generated[index]) if continuous else None
+                        yield chunks.event([choice], usage)
             if request.include_usage:
                 yield chunks.event([], UsageInfo.of(num_prompt, num_generated))
         except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
