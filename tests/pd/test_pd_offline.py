@@ -137,3 +137,28 @@ def test_n_samples_of_a_pulled_prompt_share_one_pull(tiny_pd_model, fail_mode_ll
     assert stats["kv_transfer_failed_pulls"] == before["kv_transfer_failed_pulls"]
     assert stats["kv_transfer_pulled_blocks"] - before["kv_transfer_pulled_blocks"] == len(out.kv_transfer_params["remote_block_ids"])
     assert scheduler.kv_cache_manager.usage() == 0.0
+
+
+def test_a_restarted_prefill_instance_with_the_same_ids_is_pulled_again(tiny_pd_model, fail_mode_llm):
+    """A prefill instance started again under the same engine_id restarts its request ids: its lease of request 0
+    is not the one of the run before, so the decode instance pulls it (the lease key holds the instance's start)."""
+    import gc
+
+    from runtime import LLM, SamplingParams
+
+    scheduler = fail_mode_llm.llm_engine.engine_core.scheduler
+    prefill = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    seen = []
+    for _ in range(2):
+        port = free_port()
+        producer = LLM(tiny_pd_model, kv_transfer_config={**connector("kv_producer", port, lease_s=60), "engine_id": "p"},
+                       **COMMON)
+        out = producer.generate([{"prompt_token_ids": PROMPT}], prefill, use_tqdm=False)[0]
+        producer.llm_engine.engine_core.step()  # the lease reaches the producer's block server
+        seen.append((out.kv_transfer_params["remote_engine_id"], out.kv_transfer_params["remote_request_id"]))
+        before = scheduler.stats()["kv_transfer_pulled_blocks"]
+        (pulled,) = fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params(out.kv_transfer_params, 4), use_tqdm=False)
+        assert scheduler.stats()["kv_transfer_pulled_blocks"] - before == len(out.kv_transfer_params["remote_block_ids"])
+        del producer
+        gc.collect()
+    assert seen[0] == seen[1]  # the same engine id and request id both times

@@ -36,8 +36,9 @@ SEEN_LEASES = 65536  # leases this decode instance pulled, remembered so that a 
 
 
 def lease_key(params: dict) -> tuple:
-    """Names one lease of one prefill instance: the requests ``n > 1`` fans out share it."""
-    return params.get("remote_engine_id"), params.get("remote_request_id")
+    """Names one lease of one prefill instance: the requests ``n > 1`` fans out share it. The instance's start
+    (``remote_instance``) is part of it: a restarted prefill instance may reuse its engine id and request ids."""
+    return params.get("remote_engine_id"), params.get("remote_instance"), params.get("remote_request_id")
 
 
 @dataclass
@@ -59,6 +60,7 @@ class TcpConnectorScheduler:
         self.block_size = config.cache_config.block_size
         self.layout = layout_key(config)
         self.engine_id = str((config.cache_config.kv_transfer_config or {}).get("engine_id") or uuid.uuid4())
+        self.instance = uuid.uuid4().hex[:16]  # this start of the instance (see lease_key)
         self.metadata = PDMetadata()
         self.leases = Leases(self.engine_id, s.lease_s, f"tcp://{s.host}:{s.control_port}") if s.is_producer else None
         self.puller = self.make_puller() if s.is_consumer else None
@@ -260,7 +262,7 @@ class TcpConnectorScheduler:
         num_tokens = min(request.num_prompt_tokens - 1, num_blocks * self.block_size)
         out = {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id, "remote_block_ids": block_ids[:num_blocks],
+            "remote_instance": self.instance, "remote_request_id": request.request_id, "remote_block_ids": block_ids[:num_blocks],
             "remote_host": self.settings.host, "remote_port": self.settings.port, "num_remote_tokens": num_tokens,
             "block_size": self.block_size, "prompt_digest": prompt_digest(request.prompt_token_ids[:num_tokens]),
         }
