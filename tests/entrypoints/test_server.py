@@ -149,6 +149,30 @@ def test_chat_stream_equals_unary(client):
     assert all(c.usage is None for c in client.chat.completions.create(**kwargs, stream=True))
 
 
+def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(client):
+    """vLLM's chat ``echo``: with add_generation_prompt off and a last assistant message (a continuation), the reply
+    starts with that message, streamed (a chunk of it per choice after the role chunk) and unary alike; with the
+    last message a user's, echo adds nothing."""
+    partial = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello, my friend"}]
+    kwargs = dict(model=MODEL, messages=partial, temperature=0, max_tokens=5, n=2,
+                  extra_body={"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True})
+    plain = client.chat.completions.create(**kwargs)
+    echoed = client.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"], "echo": True}})
+    assert [c.message.content for c in echoed.choices] == ["Hello, my friend" + c.message.content for c in plain.choices]
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"], "echo": True}},
+                                                 stream=True))
+    texts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert [texts[i] for i in range(2)] == [c.message.content for c in echoed.choices]
+    user_last = client.chat.completions.create(model=MODEL, messages=partial[:1], temperature=0, max_tokens=5,
+                                               extra_body={"ignore_eos": True, "echo": True})
+    assert user_last.choices[0].message.content == client.chat.completions.create(
+        model=MODEL, messages=partial[:1], temperature=0, max_tokens=5, extra_body={"ignore_eos": True}).choices[0].message.content
+
+
 def test_continuous_usage_stats_only_with_include_usage(client):
     """vLLM's ``continuous_usage_stats`` puts usage in every chunk, the role chunks too, but only with
     ``include_usage``; alone it changes nothing (it gave usage in every chunk, and no usage chunk)."""

@@ -73,6 +73,16 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; "required" may give several calls, a named choice one
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when that message has the reply's role
+
+    def echoed_text(self) -> str:
+        """What ``echo`` puts before the reply: the last message's text when its role is the reply's (the assistant,
+        or with ``add_generation_prompt`` off the last message's own), else nothing."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        if not self.echo or last.role != role:
+            return ""
+        return last.to_template_dict().get("content") or ""
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

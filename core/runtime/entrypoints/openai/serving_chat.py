@@ -126,8 +126,9 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         assert final is not None and final.finished, "a chat stream ended unfinished"
         choices = []
+        echoed = request.echoed_text()
         for output in final.outputs:
-            message, finish_reason = ChatMessageOut(content=output.text), output.finish_reason
+            message, finish_reason = ChatMessageOut(content=echoed + output.text), output.finish_reason
             reader = self.tool_call_reader(request)
             if reader is not None:
                 content, calls = reader.extract_tool_calls(output.text)
@@ -135,6 +136,7 @@ class OpenAIServingChat(OpenAIServing):
                     ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
                     for call in calls
                 ]
+                content = echoed + (content or "") if echoed else content
                 message = ChatMessageOut(content=content, tool_calls=tool_calls)
                 finish_reason = _finish_reason(finish_reason, bool(calls))
             choices.append(ChatChoice(
@@ -179,6 +181,10 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(request.n):
                 role = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
                 yield chunks.event([role.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None)
+            echoed = request.echoed_text()
+            for index in range(request.n if echoed else 0):
+                echo = ChatStreamChoice(index=index, delta=DeltaMessage(content=echoed))
+                yield chunks.event([echo.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None)
             generated = dict.fromkeys(range(request.n), 0)  # per choice: continuous usage is per choice, as vLLM's
             async for output in stream:
                 num_prompt = len(output.prompt_token_ids or ())
