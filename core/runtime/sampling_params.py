@@ -117,6 +117,8 @@ class SamplingParams:
     # vLLM's: words the output must not contain. A word is banned as its tokens with and without a leading space:
     # once the output ends with all of a variant's tokens but the last, that last one gets -inf.
     bad_words: list[str] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Prefix-cache isolation: only requests with the same salt share cached blocks.
     cache_salt: str | None = None
@@ -196,6 +198,10 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
                 or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
             raise bad("allowed_token_ids", "None or a non-empty list of token ids")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+            raise bad("truncate_prompt_tokens", "None, -1 (the last max_model_len tokens) or an integer >= 1")
         if self.bad_words is not None and (
                 not isinstance(self.bad_words, (list, tuple)) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
             raise bad("bad_words", "None or a list of non-blank strings")

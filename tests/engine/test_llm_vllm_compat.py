@@ -129,3 +129,20 @@ def test_bad_words_are_never_generated_and_tokens_equal_transformers(model_path)
             assert not any(got[j:j + len(s)] == s for s in sequences for j in range(len(got)))
             assert banned[2 * i + 1].outputs[0].token_ids == free[i].outputs[0].token_ids
         assert any(banned[2 * i].outputs[0].token_ids != free[i].outputs[0].token_ids for i in range(len(prompts)))
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's SamplingParams.truncate_prompt_tokens, offline: the prompt is its last k tokens (-1: the last
+    max_model_len); 0 is refused naming the field."""
+    ids = list(range(300, 320))
+    params = dict(temperature=0.0, max_tokens=4, ignore_eos=True)
+    (cut,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(truncate_prompt_tokens=6, **params), use_tqdm=False)
+    (last,) = llm.generate([{"prompt_token_ids": ids[-6:]}], SamplingParams(**params), use_tqdm=False)
+    assert cut.prompt_token_ids == ids[-6:] and cut.outputs[0].token_ids == last.outputs[0].token_ids
+    (text,) = llm.generate(["one two three four five six"], SamplingParams(truncate_prompt_tokens=2, **params), use_tqdm=False)
+    assert len(text.prompt_token_ids) == 2
+    (all_of_it,) = llm.generate([{"prompt_token_ids": ids}], SamplingParams(truncate_prompt_tokens=-1, **params),
+                                use_tqdm=False)
+    assert all_of_it.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be None, -1"):
+        SamplingParams(truncate_prompt_tokens=0)

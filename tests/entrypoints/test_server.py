@@ -303,6 +303,23 @@ def test_completion_top_logprobs_hold_the_chosen_token(client):
         if num == 1:
             assert any(len(top) == 2 for top in tops)  # a prompt token outside the top 1 is there too
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens are the prompt (usage counts them, echo shows
+    them); a text prompt too; 0 is a 400 naming the field."""
+    ids = list(range(1000, 1020))
+    whole = complete(client, ids[-5:], echo=True, logprobs=0)
+    cut = complete(client, ids, echo=True, logprobs=0, extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True})
+    assert cut.usage.prompt_tokens == 5 == whole.usage.prompt_tokens
+    assert cut.choices[0].text == whole.choices[0].text
+    text = complete(client, "one two three four five six seven eight nine ten", extra_body={"truncate_prompt_tokens": 3,
+                                                                                                "ignore_eos": True})
+    assert text.usage.prompt_tokens == 3
+    response = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "truncate_prompt_tokens": 0},
+                          headers=server.headers())
+    assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens", response.text
+
+
 def test_max_tokens_variants(client):
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0, extra_body={"ignore_eos": True})
     assert client.chat.completions.create(max_completion_tokens=3, **chat).usage.completion_tokens == 3

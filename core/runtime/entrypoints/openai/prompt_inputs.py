@@ -16,7 +16,11 @@ from runtime.sampling_params import SamplingParams
 def checked_input(
     processor: InputProcessor, prompt_token_ids: list[int], text: str | None, params: SamplingParams, max_tokens_param: str
 ) -> dict:
-    """The engine input of one tokenized prompt; ValueError naming the field if it cannot run."""
+    """The engine input of one tokenized prompt (its last ``truncate_prompt_tokens`` tokens where the request asks for
+    that); ValueError naming the field if it cannot run."""
+    truncated = processor.truncate(prompt_token_ids, params)
+    if len(truncated) < len(prompt_token_ids):
+        prompt_token_ids, text = truncated, None  # the text named the whole prompt
     processor.validate(prompt_token_ids, params)
     max_model_len = processor.model_config.max_model_len
     check_context_length(len(prompt_token_ids), params.max_tokens, max_model_len, max_tokens_param, params.min_tokens)

@@ -49,6 +49,7 @@ class SamplingFields(OpenAIBaseModel):
     logit_bias: LogitBias | None = None
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM's: sample only these ids
     bad_words: BadWords | None = None  # vLLM's: words the output must not contain
+    truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -105,6 +106,7 @@ class SamplingFields(OpenAIBaseModel):
             logit_bias=parse_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             cache_salt=self.cache_salt,
             structured_outputs=self.structured_output_params(),
