@@ -320,6 +320,28 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server, client):
     assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens", response.text
 
 
+def test_prompt_logprobs_in_the_response(client, hf):
+    """vLLM's ``prompt_logprobs``: completions' choices and chat responses carry, per prompt position, None (the
+    first) or {token id: {logprob, rank, decoded_token}} with the prompt's own token, close to transformers'."""
+    tokenizer, model = hf
+    ids = tokenizer("The capital of France is")["input_ids"]
+    out = complete(client, ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    field = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(field) == len(ids) and field[0] is None
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for position, token_id in enumerate(ids[1:], start=1):
+        entries = field[position]
+        assert str(token_id) in entries and 2 <= len(entries) <= 3, entries
+        own = entries[str(token_id)]
+        assert abs(own["logprob"] - expected[position - 1, token_id].item()) < 1e-3 and own["rank"] >= 1
+        assert own["decoded_token"] == tokenizer.decode([token_id])
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    field = chat.model_extra["prompt_logprobs"]
+    assert field[0] is None and len(field) == chat.usage.prompt_tokens and all(len(e) == 1 for e in field[1:])
+
+
 def test_max_tokens_variants(client):
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0, extra_body={"ignore_eos": True})
     assert client.chat.completions.create(max_completion_tokens=3, **chat).usage.completion_tokens == 3

@@ -74,6 +74,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; "required" may give several calls, a named choice one
     echo: bool = False  # vLLM's: the reply starts with the last message's content when that message has the reply's role
+    prompt_logprobs: Int64 | None = None  # vLLM's: the templated prompt's logprobs, in the response's prompt_logprobs
 
     def echoed_text(self) -> str:
         """What ``echo`` puts before the reply: the last message's text when its role is the reply's (the assistant,
@@ -92,6 +93,10 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _prompt_logprobs(self) -> int | None:
+        check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        return self.prompt_logprobs
 
     @property
     def tool_mode(self) -> str:

@@ -70,6 +70,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def _json_response(self, request: ChatCompletionRequest, model: str, request_id: str, final) -> JSONResponse:
         body = self._response(request, model, request_id, final).model_dump()
+        if request.prompt_logprobs is not None:  # vLLM's
+            body["prompt_logprobs"] = self.prompt_logprobs_field(final.prompt_logprobs)
         if request.kv_transfer_params is not None:
             add_kv_transfer_fields(body, final)
         return JSONResponse(body)

@@ -56,6 +56,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _json_response(self, request: CompletionRequest, model: str, request_id: str, finals) -> JSONResponse:
         body = self._response(request, model, request_id, finals).model_dump()
+        if request.prompt_logprobs is not None:  # vLLM's: each choice carries its prompt's logprobs
+            fields = [self.prompt_logprobs_field(final.prompt_logprobs) for final in finals]
+            for choice in body["choices"]:
+                choice["prompt_logprobs"] = fields[choice["index"] // request.n]
         if request.return_token_ids:  # vLLM's extension: the ids of each prompt and choice
             for choice in body["choices"]:
                 final = finals[choice["index"] // request.n]

@@ -113,6 +113,16 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def prompt_logprobs_field(self, prompt_logprobs) -> list | None:
+        """vLLM's ``prompt_logprobs`` response field: per prompt position, None (the first) or {token id: {logprob,
+        rank, decoded_token}} for the prompt's own token and the most likely ones."""
+        if prompt_logprobs is None:
+            return None
+        return [None if position is None else {
+            str(token_id): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": self.token_text(token_id, lp)}
+            for token_id, lp in position.items()
+        } for position in prompt_logprobs]
+
 
 def add_kv_transfer_fields(body: dict, final: RequestOutput) -> None:
     """A prefill/decode request's response (vLLM's fields): the KV connector's ``kv_transfer_params``
