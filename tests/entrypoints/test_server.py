@@ -464,6 +464,8 @@ BAD_REQUESTS = [
     ("completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
     ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),  # not sampled quietly instead
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}, 400, "use_beam_search"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),

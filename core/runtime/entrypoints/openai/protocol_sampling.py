@@ -50,6 +50,7 @@ class SamplingFields(OpenAIBaseModel):
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM's: sample only these ids
     bad_words: BadWords | None = None  # vLLM's: words the output must not contain
     truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
+    use_beam_search: bool = False  # vLLM's; not supported here: true is a 400 rather than sampling quietly instead
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -82,6 +83,9 @@ class SamplingFields(OpenAIBaseModel):
 
     def to_sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
         """SamplingParams of this request; ValueError naming the field if a value is out of range."""
+        if self.use_beam_search:
+            raise InvalidField("use_beam_search", "use_beam_search: beam search is not supported by this server; "
+                                                  "use sampling (temperature, top_p, n) or greedy decoding")
         max_tokens = self._max_tokens()
         return SamplingParams(
             n=self.n,
