@@ -342,6 +342,24 @@ def test_prompt_logprobs_in_the_response(client, hf):
     assert field[0] is None and len(field) == chat.usage.prompt_tokens and all(len(e) == 1 for e in field[1:])
 
 
+def test_return_tokens_as_token_ids(client):
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name each token (and each top entry) as ``token_id:N``, the
+    same tokens the text comes from; streamed completions and chat too."""
+    extra = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True}
+    out = complete(client, "The capital of France is", logprobs=2, extra_body=extra)
+    ids = out.choices[0].model_extra["token_ids"]
+    assert out.choices[0].logprobs.tokens == [f"token_id:{i}" for i in ids]
+    assert all(all(k.startswith("token_id:") for k in top) and len(top) >= 2 for top in out.choices[0].logprobs.top_logprobs)
+    streamed = [t for c in complete(client, "The capital of France is", logprobs=2, stream=True, extra_body=extra)
+                if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == out.choices[0].logprobs.tokens
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body=extra)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(c.token.startswith("token_id:") and c.bytes == list(c.token.encode()) for c in content)
+    assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
+
+
 def test_max_tokens_variants(client):
     chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=0, extra_body={"ignore_eos": True})
     assert client.chat.completions.create(max_completion_tokens=3, **chat).usage.completion_tokens == 3

@@ -158,16 +158,17 @@ class OpenAIServingChat(OpenAIServing):
         num_top = request.top_logprobs or 0
         content = []
         positions = list(output.logprobs or ())
+        as_ids = request.return_tokens_as_token_ids
         for token_id, position in zip(output.token_ids, positions):
             chosen = position.get(token_id)
-            token = self.token_text(token_id, chosen)
-            top = [self._top(t, lp) for t, lp in top_entries(position, num_top)]
+            token = self.token_text(token_id, chosen, as_ids)
+            top = [self._top(t, lp, as_ids) for t, lp in top_entries(position, num_top)]
             logprob = clamp_logprob(chosen.logprob) if chosen else -9999.0
             content.append(ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
         return ChatChoiceLogprobs(content=content)
 
-    def _top(self, token_id: int, logprob) -> TopLogprob:
-        token = self.token_text(token_id, logprob)
+    def _top(self, token_id: int, logprob, as_id: bool = False) -> TopLogprob:
+        token = self.token_text(token_id, logprob, as_id)
         return TopLogprob(token=token, logprob=clamp_logprob(logprob.logprob), bytes=list(token.encode()))
 
     # -------------------------------------------------------------- streaming

@@ -94,9 +94,9 @@ class OpenAIServingCompletion(OpenAIServing):
             tokens_end = 0  # see _stream_choice: offsets never go backwards
             if request.echo:
                 tokens_end = self._add_logprobs(logprobs, final.prompt_token_ids, final.prompt_logprobs,
-                                                request.logprobs, 0)
+                                                request.logprobs, 0, request.return_tokens_as_token_ids)
             self._add_logprobs(logprobs, output.token_ids, output.logprobs, request.logprobs,
-                               max(len(prefix), tokens_end))
+                               max(len(prefix), tokens_end), request.return_tokens_as_token_ids)
         return CompletionChoice(
             index=prompt_index * request.n + output.index,
             text=prefix + text,
@@ -112,14 +112,16 @@ class OpenAIServingCompletion(OpenAIServing):
             return ""
         return self.tokenizer.decode(output.prompt_token_ids or [])
 
-    def _add_logprobs(self, out: CompletionLogprobs, token_ids, positions, num_top: int, offset: int) -> int:
-        """Append tokens, logprobs and text offsets (from ``offset``); return the offset after them."""
+    def _add_logprobs(self, out: CompletionLogprobs, token_ids, positions, num_top: int, offset: int,
+                      as_ids: bool = False) -> int:
+        """Append tokens (``token_id:N`` with ``as_ids``), logprobs and text offsets (from ``offset``); return the
+        offset after them."""
         token_ids = list(token_ids or ())
         positions = list(positions or ())
         positions += [None] * (len(token_ids) - len(positions))
         for token_id, position in zip(token_ids, positions):
             chosen = position.get(token_id) if position else None
-            token = self.token_text(token_id, chosen)
+            token = self.token_text(token_id, chosen, as_ids)
             out.tokens.append(token)
             out.text_offset.append(offset)
             offset += len(token)
@@ -131,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
             top = top_entries(position, num_top)
             if chosen is not None and all(t != token_id for t, _ in top):
                 top.append((token_id, chosen))  # OpenAI's (and vLLM's): the chosen token too, up to logprobs + 1
-            out.top_logprobs.append({self.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in top})
+            out.top_logprobs.append({self.token_text(t, lp, as_ids): clamp_logprob(lp.logprob) for t, lp in top})
         return offset
 
     # -------------------------------------------------------------- streaming
@@ -181,12 +183,13 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 logprobs = CompletionLogprobs()
                 tokens_end = self._add_logprobs(logprobs, output.prompt_token_ids, output.prompt_logprobs,
-                                                request.logprobs, 0)
+                                                request.logprobs, 0, request.return_tokens_as_token_ids)
             text = prefix + text
             offset = max(len(prefix), tokens_end)
         if request.logprobs is not None and completion.token_ids:
             logprobs = logprobs or CompletionLogprobs()
-            tokens_end = self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, request.logprobs, offset)
+            tokens_end = self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, request.logprobs, offset,
+                                            request.return_tokens_as_token_ids)
         offsets[index] = max(offset + len(completion.text), tokens_end)
         has_ids = request.return_token_ids and completion.token_ids
         if not text and logprobs is None and completion.finish_reason is None and not has_ids:

@@ -106,7 +106,11 @@ class OpenAIServing:
                     await result[1].aclose()
             raise
 
-    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+    def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
+        """A token as logprobs show it: its text, or with ``as_id`` (vLLM's ``return_tokens_as_token_ids``)
+        ``token_id:N``, which stays exact where a token is part of a character."""
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         if self.tokenizer is None:
