@@ -98,12 +98,15 @@ class InputProcessor:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
-    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the last max_model_len), or all of it."""
+    def truncate(self, prompt_token_ids: list[int], text: str | None, params: SamplingParams) -> tuple[list[int], str | None]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the last max_model_len) and its text, which is
+        dropped once it names more than they do; or the prompt as it is."""
         keep = params.truncate_prompt_tokens
         if keep == -1:
             keep = self.model_config.max_model_len
-        return prompt_token_ids if keep is None or len(prompt_token_ids) <= keep else prompt_token_ids[-keep:]
+        if keep is None or len(prompt_token_ids) <= keep:
+            return prompt_token_ids, text
+        return prompt_token_ids[-keep:], None
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         max_len = self.model_config.max_model_len
@@ -141,10 +144,7 @@ class InputProcessor:
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> tuple[EngineCoreRequest, str | None]:
-        prompt_token_ids, prompt_text = self.tokenize(prompt)
-        truncated = self.truncate(prompt_token_ids, params)
-        if len(truncated) < len(prompt_token_ids):
-            prompt_token_ids, prompt_text = truncated, None  # the text named the whole prompt
+        prompt_token_ids, prompt_text = self.truncate(*self.tokenize(prompt), params)
         self.validate(prompt_token_ids, params)
         params = with_prompt_cache_salt(params.clone(), prompt)
         if params.bad_words:

@@ -151,7 +151,7 @@ def build_sampling_metadata(
         prompt_token_ids=prompt_ids,
         output_token_ids=output_ids,
         logit_bias=_logit_bias(params, vocab_size, device),
-        min_tokens_mask=_min_tokens_mask(params, output_token_ids, vocab_size, device),
+        min_tokens_mask=_banned_tokens(params, output_token_ids, vocab_size, device),
         allowed_tokens=_allowed_tokens(params, vocab_size, device),
         generators={i: g for i, g in enumerate(generators) if g is not None and not is_greedy[i]},
         seeds={i: key for i, key in enumerate(seeds or ()) if key is not None and not is_greedy[i]},
@@ -199,14 +199,11 @@ def _allowed_tokens(
         return None
     mask = np.zeros((len(rows), vocab_size), dtype=np.bool_)
     for r, i in enumerate(rows):
-        ids = [t for t in params[i].allowed_token_ids if 0 <= t < vocab_size]
-        if len(ids) != len(params[i].allowed_token_ids):
-            raise ValueError(f"allowed_token_ids has ids out of the vocabulary [0, {vocab_size})")
-        mask[r, ids] = True
+        mask[r, params[i].allowed_token_ids] = True  # in range: the input processor checked them
     return upload(rows, torch.int64, device), torch.from_numpy(mask).to(device)
 
 
-def _min_tokens_mask(
+def _banned_tokens(
     params: list[SamplingParams], output_token_ids: list[list[int]], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row, token) pairs to forbid: stop tokens of rows still short of min_tokens, and the token that would

@@ -144,11 +144,12 @@ class StructuredOutputManager:
     def release(self, request_grammar: RequestGrammar) -> None:
         """The request left before its grammar was ready (aborted): it no longer waits for the compile."""
         if request_grammar.grammar is None:
-            self._unwait(request_grammar.future)
+            self._unwait(request_grammar)
 
-    def _unwait(self, future: concurrent.futures.Future) -> None:
-        """One request fewer waits for ``future``; with none left, a pending compile is dropped (see the
-        module docstring)."""
+    def _unwait(self, request_grammar: RequestGrammar) -> None:
+        """The request no longer waits for its compile; with none left waiting, a pending compile is dropped
+        (see the module docstring)."""
+        future = request_grammar.future
         left = self._waiters.get(future, 0) - 1
         if left > 0:
             self._waiters[future] = left
@@ -161,9 +162,9 @@ class StructuredOutputManager:
             if handle is None or (self._backend is not None and self._sandbox is None):
                 return
             handle.cancel()
-        for key, cached in list(self._cache.items()):
-            if cached is future:
-                del self._cache[key]  # the next request for it compiles it afresh
+        key = (request_grammar.kind, request_grammar.spec)
+        if self._cache.get(key) is future:
+            del self._cache[key]  # the next request for it compiles it afresh
 
     def _evict(self) -> None:
         """Drop the least recently used grammars past CACHE_SIZE of them or CACHE_BYTES of artifacts
@@ -216,7 +217,7 @@ class StructuredOutputManager:
             return True
         future = request_grammar.future
         if future.cancelled():  # queued behind runaway compiles in a pool since replaced: queue it again
-            self._unwait(future)
+            self._unwait(request_grammar)
             request_grammar.future = self.submit(request_grammar.kind, request_grammar.spec).future
             return False
         if not future.done():
@@ -225,14 +226,14 @@ class StructuredOutputManager:
             queued = not future.running()
             if self._sandbox is None:  # an isolated compile is killed at its deadline: it frees its thread
                 self._note_overdue(future)
-            self._unwait(future)
+            self._unwait(request_grammar)
             if queued:
                 raise ValueError(
                     f"the {request_grammar.kind} grammar waited {self.compile_timeout:g} s "
                     "(structured_output_compile_timeout) for a compile worker, all busy with other requests' grammars; "
                     "retry later")
             raise ValueError(self._timeout_message(request_grammar.kind))
-        self._unwait(future)
+        self._unwait(request_grammar)
         error = future.exception()
         if error is not None:
             self._forget(request_grammar, future)

@@ -18,9 +18,7 @@ def checked_input(
 ) -> dict:
     """The engine input of one tokenized prompt (its last ``truncate_prompt_tokens`` tokens where the request asks for
     that); ValueError naming the field if it cannot run."""
-    truncated = processor.truncate(prompt_token_ids, params)
-    if len(truncated) < len(prompt_token_ids):
-        prompt_token_ids, text = truncated, None  # the text named the whole prompt
+    prompt_token_ids, text = processor.truncate(prompt_token_ids, text, params)
     processor.validate(prompt_token_ids, params)
     max_model_len = processor.model_config.max_model_len
     check_context_length(len(prompt_token_ids), params.max_tokens, max_model_len, max_tokens_param, params.min_tokens)
