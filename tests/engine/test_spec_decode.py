@@ -188,6 +188,27 @@ def test_seeded_sampling_equals_no_speculation_whatever_the_drafts_verified(pair
         gc.collect()
 
 
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_seeded_sampling_with_a_draft_model_equals_no_speculation(pair, pair_path, tmp_path, draft):
+    """A draft model's q does not move a seeded request's tokens: each position keeps its own sample, and a seeded
+    draft is sampled with that position's noise, so a draft equal to the target has every draft kept (another one,
+    fewer). Before, the p / q test with the drafts' own generators gave other tokens than the run without drafts."""
+    base, _, prompts = pair
+    params = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=11, n=2)
+    expected = completions(base, prompts, params)
+    model = pair_path if draft == "self" else build_untokenized_model("llama", tmp_path / "draft", seed=3)
+    llm = LLM(pair_path, speculative_config={"method": "draft_model", "model": model, "num_speculative_tokens": 3},
+              **PAIR_KWARGS)
+    try:
+        assert completions(llm, prompts, params) == expected
+        stats = llm.llm_engine.engine_core.scheduler.stats()
+        drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+        assert drafted > 0 and (accepted == drafted if draft == "self" else accepted < drafted), stats
+    finally:
+        del llm
+        gc.collect()
+
+
 # ------------------------------------------------------------ a real model
 @pytest.fixture(scope="module")
 def smollm2():

@@ -35,14 +35,17 @@ processed logits.
   final token's noise from its own generator only, so they do not depend on the rest of the
   batch; with no drafts it consumes the generator exactly as the :class:`Sampler` does (same token).
 * Seeded request whose position the metadata names (``metadata.seeds``, as the model runner
-  gives it) with one-hot drafts (``draft_probs`` None): position ``j`` samples its own token
+  gives it), whatever its drafts' q: position ``j`` samples its own token
   ``s_j`` from ``p_j`` with the noise of :func:`step_generator` at its output position, as the
   :class:`Sampler` would there; drafts are kept while ``s_j`` equals them and the first ``s_j``
   that differs (or the bonus position's) follows. For q one-hot this is the rule above (``x`` is
   kept with probability ``p_j(x)``, and a rejection draws from ``p_j`` without ``x``, the
   residual), and it emits exactly the tokens the request would get without drafts. So its tokens
   depend neither on the batch nor on how many drafts a step verifies (which the token budget and
-  free blocks decide).
+  free blocks decide). With a draft distribution q (a draft model) the rule is a coupling
+  rather than the ``p / q`` test: the draft passes sample a seeded request's draft ``j`` with
+  that same noise (``argmax q_j / E_j`` against the target's ``argmax p_j / E_j``), so a draft
+  model whose q is close to p is kept often, and one whose q equals p always.
 
 Logprobs follow the :class:`Sampler`: the log_softmax of the logits as given (before
 penalties and temperature), one row per emitted token (see :class:`RejectionSamplerOutput`).
@@ -147,8 +150,8 @@ class RejectionSampler(nn.Module):
         argmax = None if metadata.all_random else self.sampler.argmax(logits)  # [T]
         probs = None if metadata.all_greedy else self.target_probs(logits, rows_md)  # [T, V]
 
-        # Seeded rows named by position, one-hot drafts: each position's own sample (see the module docstring).
-        positional = {} if probs is None or draft_probs is not None else self._positional_samples(probs, layout, metadata)
+        # Seeded rows named by position: each position's own sample (see the module docstring).
+        positional = {} if probs is None else self._positional_samples(probs, layout, metadata)
         generators = {row: g for row, g in metadata.generators.items() if row not in positional}
         # Accept or reject every draft at once; a request keeps the prefix before its first rejection.
         accepted = torch.zeros(layout.num_drafts, dtype=torch.bool, device=device)

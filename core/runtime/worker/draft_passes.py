@@ -28,6 +28,7 @@ from runtime.attention.backend import AttentionMetadata
 from runtime.distributed import get_parallel_state
 from runtime.forward_context import set_forward_context
 from runtime.sample.filters import random_sample
+from runtime.sample.metadata import step_generator
 from runtime.worker.input_batch import table_width
 
 
@@ -102,9 +103,12 @@ def sample_drafts(
         return greedy, None
     temperature = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in requests],
                                dtype=torch.float32, device=logits.device)
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    # A seeded request's draft takes the noise its target position samples with (step_generator at that output
+    # position): the rejection sampler keeps the draft where the target's own sample equals it, so a draft model
+    # close to the target has its drafts kept about as often as under p / q, and the tokens stay those of no drafts.
     generators = {
-        i: draft_generator(requests[i].seed, requests[i].num_output_tokens, draft_index, logits.device)
+        i: step_generator(requests[i].seed, requests[i].num_output_tokens + draft_index, logits.device)
         for i in random_rows if requests[i].seed is not None
     }
     sampled = random_sample(probs, generators)
@@ -130,9 +134,3 @@ def share_first_rank_drafts(tokens: torch.Tensor) -> torch.Tensor:
 
         dist.broadcast(tokens, src=state.pp_rank * state.tp_size, group=state.tp_group)
     return tokens
-
-
-def draft_generator(seed: int, num_output_tokens: int, draft_index: int, device: torch.device) -> torch.Generator:
-    """The generator of a seeded request's ``draft_index``-th draft of a step (integers only
-    in the hash, so it is the same in every process)."""
-    return torch.Generator(device=device).manual_seed(hash((seed, num_output_tokens, -1 - draft_index)) & 0x7FFF_FFFF_FFFF_FFFF)

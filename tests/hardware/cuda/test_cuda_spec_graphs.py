@@ -36,9 +36,7 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
 def test_verification_graphs_match_transformers(reference, proposer, setting):
     arch, path, prompts, expected = reference
-    spec = ({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-            if proposer == "ngram" else {"method": "draft_model", "model": path, "num_speculative_tokens": K})
-    llm = cuda_llm(path, "triton", True, speculative_config=spec, **SETTINGS[setting])
+    llm = cuda_llm(path, "triton", True, speculative_config=spec_config(proposer, path), **SETTINGS[setting])
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, detokenize=False)
     for _ in range(2 if setting == "prefix_caching" else 1):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -74,3 +72,35 @@ def test_head_proposers_match_transformers(reference, method, tmp_path):
         assert graphs is None  # its hooks would not run inside a replayed graph
     else:
         assert sum(graphs.verify_replay_counts.values()) > 0
+
+
+def spec_config(proposer: str, path) -> dict:
+    if proposer == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": K}
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "self_draft"])
+def test_seeded_sampling_and_token_limits_equal_no_speculation_in_graphs(reference, proposer):
+    """On the GPU's generators and in replayed verification graphs: a seeded request samples each position as it
+    would without drafts (so its tokens equal the run without speculation), and allowed_token_ids and logit_bias
+    hold in drafted steps as in plain ones."""
+    arch, path, prompts, _ = reference
+    allowed = sorted({t for p in prompts for t in p})[:12]
+    params = [SamplingParams(temperature=0.1, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, seed=5, n=2,
+                             detokenize=False),
+              SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, detokenize=False,
+                             allowed_token_ids=allowed, logit_bias={allowed[0]: -100.0})]
+
+    def run(llm):
+        return [[[c.token_ids for c in o.outputs] for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)] for sp in params]
+
+    expected = run(cuda_llm(path, "triton", True))
+    llm = cuda_llm(path, "triton", True, speculative_config=spec_config(proposer, path))
+    got = run(llm)
+    assert got == expected, f"{arch}/{proposer}"
+    limited = [t for choices in got[1] for tokens in choices for t in tokens]
+    assert set(limited) <= set(allowed[1:]), f"{arch}/{proposer}: {sorted(set(limited) - set(allowed[1:]))}"
+    graphs = llm.llm_engine.engine_core.executor.worker.model_runner.graphs
+    assert spec_counts(llm)[1] > 0 and sum(graphs.verify_replay_counts.values()) > 0
