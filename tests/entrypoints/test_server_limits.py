@@ -1,4 +1,5 @@
-"""Concurrency limit, CORS, and what happens when the engine process dies (a server of its own)."""
+"""Concurrency limit, CORS, a server-wide default (--return-tokens-as-token-ids), and what happens when the engine
+process dies (a server of its own)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ LONG = {"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("server_limits") / "server.log"
-    flags = SERVER_FLAGS + ["--max-concurrent-requests", "2", "--allowed-origins", ORIGIN, "--max-model-len", "512"]
+    flags = SERVER_FLAGS + ["--max-concurrent-requests", "2", "--allowed-origins", ORIGIN, "--max-model-len", "512",
+                            "--return-tokens-as-token-ids"]
     srv = RemoteServer(tiny_llama, flags, log, env={"RUNTIME_ENGINE_DEATH_GRACE_S": "2"}).wait_ready()
     yield srv
     srv.stop()
@@ -51,6 +53,19 @@ def test_concurrency_limit(server):
     assert wait_for(lambda: server.metric("runtime:num_requests_running") == 0)
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     assert server.metric("runtime:request_errors_total", status="503", type="server_error") == statuses.count(503)
+
+
+def test_return_tokens_as_token_ids_flag_is_the_default_a_request_can_override(server):
+    """vLLM's --return-tokens-as-token-ids: logprobs name tokens as token_id:N unless the request says false."""
+    body = {"prompt": "hi", "max_tokens": 3, "logprobs": 1, "ignore_eos": True, "return_token_ids": True}
+    out = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    assert out["logprobs"]["tokens"] == [f"token_id:{i}" for i in out["token_ids"]]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "ignore_eos": True}
+    content = httpx.post(server.url + "/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 2 and all(c["token"].startswith("token_id:") for c in content)
+    own = httpx.post(server.url + "/v1/completions", json=body | {"return_tokens_as_token_ids": False}).json()
+    tokens = own["choices"][0]["logprobs"]["tokens"]
+    assert "".join(tokens) == own["choices"][0]["text"] and not any(t.startswith("token_id:") for t in tokens)
 
 
 def test_engine_death_fails_requests_and_exits(server):

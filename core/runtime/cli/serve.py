@@ -47,6 +47,9 @@ def register(sub) -> None:
                         help="API server processes sharing one engine core, each accepting connections on the port")
     parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
                         help="a stream sends a chunk once this many new tokens are in (the first and last at once)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true", default=False,
+                        help='logprobs name tokens as "token_id:N" unless a request says otherwise '
+                             "(its return_tokens_as_token_ids)")
     add_engine_args(parser)
     parser.set_defaults(func=run)
 

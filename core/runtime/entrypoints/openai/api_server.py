@@ -153,7 +153,8 @@ def serving_context(args, engine) -> ServingContext:
     """The names the engine answers to and, unless ``--disable-log-requests``, a request logger."""
     config = engine.model_config
     names = list(getattr(config, "served_model_names", ()) or [config.served_model_name])
-    ctx = ServingContext(engine=engine, served_model_names=names)
+    ctx = ServingContext(engine=engine, served_model_names=names,
+                         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False))
     if getattr(args, "enable_auto_tool_choice", False) and getattr(args, "tool_call_parser", None):
         from runtime.entrypoints.openai.tool_parsers import get_tool_parser
 

@@ -51,7 +51,8 @@ class SamplingFields(OpenAIBaseModel):
     bad_words: BadWords | None = None  # vLLM's: words the output must not contain
     truncate_prompt_tokens: Int64 | None = None  # vLLM's: keep the prompt's last k tokens (-1: max_model_len)
     use_beam_search: bool = False  # vLLM's; not supported here: true is a 400 rather than sampling quietly instead
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens as "token_id:N"
+    # vLLM's: logprobs name tokens as "token_id:N"; None: the server's --return-tokens-as-token-ids
+    return_tokens_as_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

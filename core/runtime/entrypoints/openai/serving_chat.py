@@ -158,7 +158,7 @@ class OpenAIServingChat(OpenAIServing):
         num_top = request.top_logprobs or 0
         content = []
         positions = list(output.logprobs or ())
-        as_ids = request.return_tokens_as_token_ids
+        as_ids = self.tokens_as_ids(request)
         for token_id, position in zip(output.token_ids, positions):
             chosen = position.get(token_id)
             token = self.token_text(token_id, chosen, as_ids)

@@ -94,9 +94,9 @@ class OpenAIServingCompletion(OpenAIServing):
             tokens_end = 0  # see _stream_choice: offsets never go backwards
             if request.echo:
                 tokens_end = self._add_logprobs(logprobs, final.prompt_token_ids, final.prompt_logprobs,
-                                                request.logprobs, 0, request.return_tokens_as_token_ids)
+                                                request.logprobs, 0, self.tokens_as_ids(request))
             self._add_logprobs(logprobs, output.token_ids, output.logprobs, request.logprobs,
-                               max(len(prefix), tokens_end), request.return_tokens_as_token_ids)
+                               max(len(prefix), tokens_end), self.tokens_as_ids(request))
         return CompletionChoice(
             index=prompt_index * request.n + output.index,
             text=prefix + text,
@@ -183,13 +183,13 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.logprobs is not None:
                 logprobs = CompletionLogprobs()
                 tokens_end = self._add_logprobs(logprobs, output.prompt_token_ids, output.prompt_logprobs,
-                                                request.logprobs, 0, request.return_tokens_as_token_ids)
+                                                request.logprobs, 0, self.tokens_as_ids(request))
             text = prefix + text
             offset = max(len(prefix), tokens_end)
         if request.logprobs is not None and completion.token_ids:
             logprobs = logprobs or CompletionLogprobs()
             tokens_end = self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, request.logprobs, offset,
-                                            request.return_tokens_as_token_ids)
+                                            self.tokens_as_ids(request))
         offsets[index] = max(offset + len(completion.text), tokens_end)
         has_ids = request.return_token_ids and completion.token_ids
         if not text and logprobs is None and completion.finish_reason is None and not has_ids:

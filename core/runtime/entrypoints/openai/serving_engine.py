@@ -29,6 +29,7 @@ class ServingContext:
     # --enable-auto-tool-choice with --tool-call-parser: the parser class reading tool_choice "auto"
     # outputs; None: "auto" is refused
     tool_parser: type | None = None
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say gets
 
     @property
     def model_name(self) -> str:
@@ -41,6 +42,11 @@ class OpenAIServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
         self.engine = ctx.engine
+
+    def tokens_as_ids(self, request) -> bool:
+        """Whether ``request``'s logprobs name tokens as ``token_id:N``: its own field, else the server's flag."""
+        asked = request.return_tokens_as_token_ids
+        return self.ctx.return_tokens_as_token_ids if asked is None else asked
 
     @property
     def tokenizer(self):
