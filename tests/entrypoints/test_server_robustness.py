@@ -139,6 +139,28 @@ REPRODUCTIONS = [
      "min_tokens"),
     ("chat-min_tokens-past-context", "/v1/chat/completions", {"messages": CHAT, "min_tokens": 2**63 - 1}, 400,
      "min_tokens"),
+    # a lone surrogate escape ("\udc00") in any string: bad_words reached the tokenizer (a 500); stop, cache_salt and
+    # model failed later with a 400 naming no field
+    ("bad_words-lone-surrogate", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "bad_words": ["a\udc00"]}, 400,
+     "bad_words"),
+    ("stop-lone-surrogate", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": ["\udc00"]}, 400, "stop"),
+    ("cache_salt-lone-surrogate", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": "\ud800"}, 400,
+     "cache_salt"),
+    ("model-lone-surrogate", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "model": "\ud800"}, 400, "model"),
+    ("schema-key-lone-surrogate", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"properties": {"\ud800": {}}}}}}, 400,
+     "response_format"),
+    # a bad max_completion_tokens was named max_tokens
+    ("chat-max_completion_tokens-negative", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    # chat_template_kwargs setting an argument of the template call: "got multiple values for argument" (param
+    # messages) or a transformers error naming no field
+    ("chat_template_kwargs-tokenize", "/v1/chat/completions",
+     {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs"),
+    ("chat_template_kwargs-messages", "/v1/chat/completions",
+     {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"conversation": []}}, 400, "chat_template_kwargs"),
+    ("tokenize-request-template", "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"chat_template": "x"}}, 400,
+     "chat_template_kwargs"),
 ]
 
 
@@ -210,3 +232,53 @@ def test_tool_call_arguments_nested_too_deep_reach_the_template_as_text(server):
     assert response.status_code == 200, response.text[:500]
     response, _ = post(server, "/tokenize", {"messages": messages})
     assert response.status_code == 200 and response.json()["count"] > 0, response.text[:500]
+
+
+def test_bodies_that_are_not_json_objects_are_4xx_saying_so(server):
+    """A body sent as form data (curl -d without a content type) or as text was "Input should be a valid dictionary or
+    object to extract fields from"; a JSON array, null or no body named nothing either."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        response = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": content_type})
+        error = assert_openai_error(response, 415, None)
+        assert error["code"] == "unsupported_media_type" and "application/json" in error["message"], error
+    for content, expected in ((b"[1]", "must be a JSON object, got an array"), (b"null", "got null"),
+                              (b"", "body is missing")):
+        error = assert_openai_error(post(server, "/v1/completions", content)[0], 400, None)
+        assert expected in error["message"], error
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        response = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": content_type})
+        assert response.status_code == 200, response.text
+
+
+def test_head_requests_and_retrieving_a_model(server):
+    """HEAD /health and /v1/models were 405s; OpenAI's GET /v1/models/{model} was a 404 for every model."""
+    assert httpx.head(server.url + "/health").status_code == 200
+    assert httpx.head(server.url + "/v1/models").status_code == 200
+    client = server.client()
+    model = client.models.list().data[0].id  # the model's path here: a name with slashes
+    card = client.models.retrieve(model)
+    assert card.id == model and card.object == "model" and card.max_model_len == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+
+
+def test_chat_template_kwargs_may_set_add_generation_prompt(server):
+    """vLLM's: chat_template_kwargs {"add_generation_prompt": false} acts as the field; it was a 400 ("got multiple
+    values for argument"). /tokenize takes chat_template_kwargs and continue_final_message as vLLM's does."""
+    def count(body):
+        response, _ = post(server, "/tokenize", {"messages": CHAT, **body})
+        assert response.status_code == 200, response.text
+        return response.json()["count"]
+
+    plain = count({"add_generation_prompt": False})
+    assert count({"chat_template_kwargs": {"add_generation_prompt": False}}) == plain < count({})
+    messages = CHAT + [{"role": "assistant", "content": "Hello"}]
+    continued, _ = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                              "continue_final_message": True})
+    closed, _ = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert continued.json()["count"] < closed.json()["count"]  # the reply stays open: no end-of-turn tokens
+    response, _ = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,
+                                                        "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == plain, response.text

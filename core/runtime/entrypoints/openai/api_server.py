@@ -29,11 +29,12 @@ from runtime.entrypoints.openai.limits import RequestLimits
 from runtime.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, InvalidField, TokenizeRequest,
 )
+from runtime.entrypoints.openai.request_body import CheckedBodyRoute
 from runtime.entrypoints.openai.request_logger import DEFAULT_MAX_LOG_LEN, RequestLogger
 from runtime.entrypoints.openai.responses import ModelCard, ModelList
 from runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from runtime.entrypoints.openai.serving_engine import ServingContext
+from runtime.entrypoints.openai.serving_engine import ServingContext, model_not_found
 from runtime.entrypoints.openai.shutdown import abort_requests_on_exit, stop_on_sigterm
 from runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from runtime.stat_logger import log_stats_interval
@@ -72,31 +73,47 @@ async def run_until_disconnect(request: Request, handler):
     return task.result()
 
 
+def get_and_head(app: FastAPI, path: str):
+    """Register a GET route that answers HEAD too (as HTTP asks; load balancers probe with it), the HEAD route
+    left out of /openapi.json."""
+    def register(endpoint):
+        app.head(path, include_in_schema=False)(endpoint)
+        return app.get(path)(endpoint)
+
+    return register
+
+
 def _add_info_routes(app: FastAPI, ctx: ServingContext) -> None:
     engine = ctx.engine
 
-    @app.get("/health")
+    @get_and_head(app, "/health")
     async def health(request: Request):
         error = engine.probe_health()
         if error is not None:
             return error_response(request, OpenAIError(f"the engine is not running: {error}", 503))
         return Response(status_code=200)
 
-    @app.get("/version")
+    @get_and_head(app, "/version")
     async def version():
         return {"version": runtime_version()}
 
-    @app.get("/metrics")
+    @get_and_head(app, "/metrics")
     async def metrics():
         return Response(engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    def card(name: str) -> dict:
+        config = engine.model_config
+        return ModelCard(id=name, root=config.model, max_model_len=config.max_model_len).model_dump()
+
+    @get_and_head(app, "/v1/models")
     async def models():
-        cards = [
-            ModelCard(id=name, root=engine.model_config.model, max_model_len=engine.model_config.max_model_len)
-            for name in ctx.served_model_names
-        ]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=[card(name) for name in ctx.served_model_names]).model_dump()
+
+    @get_and_head(app, "/v1/models/{model:path}")
+    async def retrieve_model(model: str):  # OpenAI's GET /v1/models/{model}; model names may hold "/"
+        if model not in ctx.served_model_names:
+            raise model_not_found(model, ctx.served_model_names)
+        return card(model)
 
 
 def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -144,7 +161,9 @@ def _tokenize(chat: OpenAIServingChat, body: TokenizeRequest) -> list[int]:
     if body.messages is not None:
         request = ChatCompletionRequest(
             messages=body.messages, tools=body.tools, tool_choice="none", add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
         )
+        request.check_supported()  # as a chat request's: no template of the request's own
         return chat.render_prompt(request)["prompt_token_ids"]
     return chat.engine.input_processor.encode(body.prompt, add_special_tokens=body.add_special_tokens)
 
@@ -167,6 +186,7 @@ def serving_context(args, engine) -> ServingContext:
 def build_app(args, engine) -> FastAPI:
     """The FastAPI app over a started AsyncLLM; ``args`` are the ``runtime serve`` flags."""
     app = FastAPI(title="runtime OpenAI-compatible server", version=runtime_version())
+    app.router.route_class = CheckedBodyRoute  # JSON bodies only, with valid Unicode strings
     app.state.metrics = engine.metrics
     ctx = serving_context(args, engine)
     ctx.limits = RequestLimits.from_args(args)

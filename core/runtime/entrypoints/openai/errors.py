@@ -101,6 +101,17 @@ def _is_union_tag(part) -> bool:
     return isinstance(part, str) and (any(c in part for c in "[]-") or part in _UNION_TAGS)
 
 
+def _body_message(error: dict) -> str:
+    """The message of an error about the body as a whole (missing, or JSON that is not an object)."""
+    if error.get("type") == "missing":
+        return "the request body is missing; send a JSON object"
+    if "input" in error and not isinstance(error["input"], dict):
+        kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean", int: "a number",
+                float: "a number", bytes: "not JSON"}.get(type(error["input"]), type(error["input"]).__name__)
+        return f"the request body must be a JSON object, got {kind}"
+    return str(error.get("msg"))
+
+
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = _most_specific(list(exc.errors()))
     if first.get("type") == "json_invalid":
@@ -108,7 +119,7 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         return error_response(request, OpenAIError(f"the request body is not valid JSON: {detail}", 400))
     loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    message = f"{param}: {first.get('msg')}" if param else _body_message(first)
     return error_response(request, OpenAIError(message, 400, param=param))
 
 

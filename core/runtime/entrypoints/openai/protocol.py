@@ -16,7 +16,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, OpenAIBaseModel, Texts, TokenIdLists, TokenIds
+from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, JsonObject, OpenAIBaseModel, Texts, TokenIdLists, TokenIds
 from runtime.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatMessage
 from runtime.entrypoints.openai.protocol_sampling import SamplingFields, StreamOptions, check_logprobs, parse_logit_bias
 from runtime.entrypoints.openai.protocol_tools import MAX_TOOLS, ChatTool, required_tools_schema
@@ -78,6 +78,8 @@ class TokenizeRequest(OpenAIBaseModel):
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None  # rendered by the chat template
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's, as in chat requests
+    chat_template_kwargs: JsonObject | None = None  # vLLM's, as in chat requests
 
 
 class DetokenizeRequest(OpenAIBaseModel):

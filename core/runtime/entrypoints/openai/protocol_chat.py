@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, JsonObject, OpenAIBaseModel, check_free_json
 from runtime.entrypoints.openai.protocol_sampling import SamplingFields, check_logprobs
@@ -61,6 +61,37 @@ def _arguments_object(arguments: str | dict[str, Any]) -> Any:
         return arguments  # not JSON, or JSON nested too deep for the template: the template gets the text
 
 
+# apply_chat_template's own arguments: not template variables, so chat_template_kwargs may not set them
+# (add_generation_prompt and continue_final_message set the request's fields of those names)
+TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "messages", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+TEMPLATE_SWITCHES = ("add_generation_prompt", "continue_final_message")
+
+
+def template_switches(request: OpenAIBaseModel, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``kwargs`` without its boolean add_generation_prompt/continue_final_message, which are set on ``request``."""
+    if not kwargs or not any(isinstance(kwargs.get(name), bool) for name in TEMPLATE_SWITCHES):
+        return kwargs
+    kwargs = dict(kwargs)
+    for name in TEMPLATE_SWITCHES:
+        if isinstance(kwargs.get(name), bool):
+            setattr(request, name, kwargs.pop(name))
+    return kwargs
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """InvalidField naming chat_template_kwargs if it sets an argument of the template call rather than a variable."""
+    reserved = sorted(set(kwargs or ()) & (TEMPLATE_CALL_ARGS | set(TEMPLATE_SWITCHES)))
+    if reserved:
+        raise InvalidField("chat_template_kwargs", (
+            f"chat_template_kwargs may not set {reserved[0]!r}: it is an argument of the template call, not a "
+            "template variable (add_generation_prompt and continue_final_message must be true or false there); "
+            "use the request's own fields"
+        ))
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -76,6 +107,12 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False  # vLLM's: the reply starts with the last message's content when that message has the reply's role
     prompt_logprobs: Int64 | None = None  # vLLM's: the templated prompt's logprobs, in the response's prompt_logprobs
 
+    @model_validator(mode="after")
+    def _switches_from_template_kwargs(self) -> "ChatCompletionRequest":
+        """vLLM's: ``chat_template_kwargs`` may set add_generation_prompt and continue_final_message, over the fields."""
+        self.chat_template_kwargs = template_switches(self, self.chat_template_kwargs)
+        return self
+
     def echoed_text(self) -> str:
         """What ``echo`` puts before the reply: the last message's text when its role is the reply's (the assistant,
         or with ``add_generation_prompt`` off the last message's own), else nothing."""
@@ -87,6 +124,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def _num_logprobs(self) -> int | None:
         check_logprobs("top_logprobs", self.top_logprobs)
@@ -163,5 +203,6 @@ class ChatCompletionRequest(SamplingFields):
                 "chat_template_kwargs may not set 'chat_template': a request cannot bring its own template "
                 "(it would run on the server); the server renders with the model's template"
             )
+        check_template_kwargs(self.chat_template_kwargs)
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")

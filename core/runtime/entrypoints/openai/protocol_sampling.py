@@ -89,6 +89,26 @@ class SamplingFields(OpenAIBaseModel):
             raise InvalidField("use_beam_search", "use_beam_search: beam search is not supported by this server; "
                                                   "use sampling (temperature, top_p, n) or greedy decoding")
         max_tokens = self._max_tokens()
+        try:
+            return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens)
+        except ValueError as exc:
+            raise self._renamed(exc) from None
+
+    def max_tokens_param(self) -> str:
+        """The request field that gave SamplingParams.max_tokens, as errors name it."""
+        return "max_tokens"
+
+    def _renamed(self, exc: ValueError) -> ValueError:
+        """``exc`` from SamplingParams, speaking of the request's own field where max_tokens came from another."""
+        field = self.max_tokens_param()
+        message = str(exc)
+        if field == "max_tokens" or "max_tokens" not in message or getattr(exc, "param", None):
+            return exc
+        param = field if message.startswith("max_tokens") else None
+        message = message.replace("max_tokens", field)
+        return InvalidField(param, message) if param else ValueError(message)
+
+    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -102,7 +122,7 @@ class SamplingFields(OpenAIBaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             logprobs=self._num_logprobs(),
             prompt_logprobs=self._prompt_logprobs(),

@@ -119,8 +119,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def _checked_prompt(self, request: ChatCompletionRequest, params: SamplingParams) -> dict:
         prompt = self.render_prompt(request)
-        param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        return checked_input(self.engine.input_processor, prompt["prompt_token_ids"], prompt["prompt"], params, param)
+        return checked_input(self.engine.input_processor, prompt["prompt_token_ids"], prompt["prompt"], params,
+                             request.max_tokens_param())
 
     # ---------------------------------------------------------------- unary
     def _response(

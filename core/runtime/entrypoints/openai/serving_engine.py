@@ -56,10 +56,7 @@ class OpenAIServing:
         """The model name to answer with (the first served name, as vLLM); 404 for a name this server does not serve."""
         if name is None or name in self.ctx.served_model_names:
             return self.ctx.model_name
-        raise OpenAIError(
-            f"The model `{name}` does not exist; this server serves: {', '.join(self.ctx.served_model_names)}",
-            404, param="model", code="model_not_found",
-        )
+        raise model_not_found(name, self.ctx.served_model_names)
 
     def with_model_defaults(self, request):
         """``request`` with the model's default sampling values (``--generation-config``) in the fields it leaves unset."""
@@ -132,6 +129,12 @@ class OpenAIServing:
             str(token_id): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": self.token_text(token_id, lp)}
             for token_id, lp in position.items()
         } for position in prompt_logprobs]
+
+
+def model_not_found(name: str, served_model_names: list[str]) -> OpenAIError:
+    """OpenAI's 404 for a model this server does not serve."""
+    return OpenAIError(f"The model `{name}` does not exist; this server serves: {', '.join(served_model_names)}",
+                       404, param="model", code="model_not_found")
 
 
 def add_kv_transfer_fields(body: dict, final: RequestOutput) -> None:
