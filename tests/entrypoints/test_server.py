@@ -484,6 +484,9 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),  # not sampled quietly instead
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True}, 400, "use_beam_search"),
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),  # OpenAI: stream only
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                          "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),

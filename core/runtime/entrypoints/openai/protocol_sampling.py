@@ -88,6 +88,9 @@ class SamplingFields(OpenAIBaseModel):
         if self.use_beam_search:
             raise InvalidField("use_beam_search", "use_beam_search: beam search is not supported by this server; "
                                                   "use sampling (temperature, top_p, n) or greedy decoding")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidField("stream_options", "stream_options is only allowed with stream: true (as OpenAI's API "
+                                                 "has it); drop it or set stream")
         max_tokens = self._max_tokens()
         try:
             return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens)
