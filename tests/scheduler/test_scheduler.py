@@ -172,3 +172,15 @@ def test_eos_that_is_also_a_stop_token_id_reports_no_stop_reason(make_scheduler,
     assert reasons == {"eos": ("stop", None), "ign": ("stop", 0), "min": (None, None)}
     _, out = run_step(s, token=0)
     assert [(o.request_id, o.finish_reason, o.stop_reason) for o in out] == [("min", "stop", None)]
+
+
+def test_prefix_cache_stats_count_a_request_waiting_for_blocks_once(make_scheduler, make_request):
+    s = make_scheduler(num_blocks=5, block_size=4, caching=True)
+    s.add_request(make_request("a", 17, max_tokens=3))  # holds all 5 blocks until it ends
+    s.add_request(make_request("b", list(range(1, 9)) + [40, 41], max_tokens=1))  # hits a's first 2 blocks
+    for _ in range(3):
+        so, _ = run_step(s)
+        assert "b" not in so.num_scheduled_tokens  # looked up, no block for its tail
+    so, _ = run_step(s)
+    assert so.scheduled_new_reqs[0].req_id == "b" and so.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert (s.kv_cache_manager.stats.queries, s.kv_cache_manager.stats.hits) == (17 + 10, 8)

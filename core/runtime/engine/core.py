@@ -177,20 +177,25 @@ class EngineCore:
             return EngineCoreOutputs(scheduler_stats=self.scheduler.stats())
         return previous.collect()
 
-    def finish_kv_saves(self, max_steps: int = 4) -> None:
+    def drain_kv_saves(self, max_steps: int = 4) -> bool:
         """Run the steps that only save blocks to the KV offload tiers (finished requests' KV,
-        held until a step carries its saves), so that a stopped engine leaves them behind."""
+        held until a step carries its saves) while no request is left, so that an idle engine
+        holds no block; returns whether any step ran."""
         connector = self.scheduler.kv_connector
-        for _ in range(max_steps):
+        for num_steps in range(max_steps):
             if connector is None or self.scheduler.get_num_unfinished_requests() or not (
                 connector.has_pending_work() or self.in_flight is not None
             ):
-                return
-            try:
-                self.step()
-            except Exception:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
-                logger.exception("saving KV blocks to the offload tiers failed while shutting down")
-                return
+                return num_steps > 0
+            self.step()
+        return True
+
+    def finish_kv_saves(self, max_steps: int = 4) -> None:
+        """:meth:`drain_kv_saves` at shutdown, so that a stopped engine leaves the last blocks behind."""
+        try:
+            self.drain_kv_saves(max_steps)
+        except Exception:  # noqa: BLE001 - shutting down: report, do not mask the caller's error
+            logger.exception("saving KV blocks to the offload tiers failed while shutting down")
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()

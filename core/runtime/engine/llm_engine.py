@@ -72,6 +72,10 @@ class LLMEngine:
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         self.last_stats = outputs.scheduler_stats
+        # The last requests' blocks are held until a step carries their saves to the KV offload tiers:
+        # run it now, or a caller that stops stepping here (LLM.generate) leaves them held.
+        if not self.output_processor.has_unfinished_requests() and self.engine_core.drain_kv_saves():
+            self.last_stats = self.engine_core.scheduler.stats()
         if self.stat_logger is not None:
             self.stat_logger.record(outputs)
             self.stat_logger.maybe_log()

@@ -59,8 +59,10 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the step yields logits.
         Requests that want prompt logprobs skip the cache (they need every position).
+        The lookup counts in the stats; a request not admitted after all takes it back
+        (:meth:`uncount_lookup`), so that a request looked up every step it waits counts once.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._may_hit(request):
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -74,6 +76,15 @@ class KVCacheManager:
         self.stats.queries += request.num_tokens
         self.stats.hits += num_tokens
         return blocks, num_tokens
+
+    def _may_hit(self, request: Request) -> bool:
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
+    def uncount_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Take back a lookup of :meth:`get_computed_blocks` (``num_hit_tokens`` found) of a request not admitted."""
+        if self._may_hit(request):
+            self.stats.queries -= request.num_tokens
+            self.stats.hits -= num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,

@@ -77,9 +77,7 @@ class SchedulerConnector:
 
     def wait_remote(self, request: Request, num_device_cached: int) -> None:
         self.waiting_remote[request.request_id] = request
-        stats = self.kv.stats  # the prefix lookup counts once: when the request is admitted
-        stats.queries -= request.num_tokens
-        stats.hits -= num_device_cached
+        self.kv.uncount_lookup(request, num_device_cached)  # the prefix lookup counts once: when it is admitted
 
     def take_loaded(self, idle: bool) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Requests whose remote loads ended: (ready to be admitted again, (failed, why)). When the

@@ -336,6 +336,7 @@ class Scheduler:
             return _PARKED
         if self.kv_connector is not None and self.kv_connector.loads_in_background(request, num_external):
             if not self.kv_connector.start_loading(request, computed_blocks, num_cached, num_external):
+                kv.uncount_lookup(request, num_cached)  # looked up again next step
                 return None
             self.waiting.remove(request)
             return _PARKED
@@ -345,6 +346,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             block_ids = kv.allocate_slots(request, num_new + num_external, computed_blocks)
         if block_ids is None:
+            kv.uncount_lookup(request, num_cached)  # looked up again next step
             if num_external:
                 self.kv_connector.alloc_failed(request)
             return None

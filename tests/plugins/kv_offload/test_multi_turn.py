@@ -60,3 +60,20 @@ def test_offload_counters_on_metrics(model_path):
     assert value("runtime:kv_offload_blocks_stored_total") == stats[-1]["kv_offload_blocks_stored"]
     assert value("runtime:kv_offload_bytes_loaded_total") == stats[-1]["kv_offload_bytes_loaded"] > 0
     assert value("runtime:kv_offload_load_seconds_total") > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generate_returns_with_the_last_blocks_saved_and_freed(model_path, async_scheduling):
+    from runtime import SamplingParams
+
+    llm = make_llm(model_path, kv_offload="cpu", kv_offload_size="1MiB", async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(3, 40))}], params, use_tqdm=False)
+    scheduler = engine.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.pool
+    # Its blocks were held for their saves until a step carried them: that step ran before generate returned.
+    assert pool.num_free_blocks == pool.num_blocks and engine.last_stats["kv_cache_usage"] == 0.0
+    assert not engine.has_unfinished_requests() and engine.last_stats["kv_offload_blocks_stored"] == 10
+    assert engine.engine_core.reset_prefix_cache()
+    close(llm)
