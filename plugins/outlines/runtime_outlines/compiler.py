@@ -13,7 +13,9 @@ JSON object through a bounded-depth generic regex). Compiling builds the outline
 Before outlines-core sees a JSON schema, sub-schemas it gets wrong or makes huge are swapped
 for placeholder consts whose literal is then replaced in its regex by our own: bounded
 ``integer``/``number`` schemas (outlines-core 0.2.14 ignores minimum/maximum; see
-:mod:`runtime_outlines.numbers`; ``multipleOf`` stays unenforced) and nested any-field objects
+:mod:`runtime_outlines.numbers`), ``format`` strings and patterns that could match unescaped quotes
+(:mod:`runtime_outlines.schema_features`, which also refuses the keywords outlines-core ignores, such as
+``multipleOf``) and nested any-field objects
 (``{"type": "object"}``, e.g. a tool without parameters), which get the bounded-depth generic
 object regex.
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 from runtime.structured_output import GuidedKind
 from runtime_outlines.numbers import bounded_number_regex, replace_subschemas, subschema_depth
+from runtime_outlines.schema_features import check_supported, format_regex, pattern_schema
 
 # Whitespace allowed between JSON tokens: at most one space or newline. An unbounded pattern
 # (``[ \n\t]*``) lets small models emit whitespace forever, and pretty-printing indentation
@@ -203,6 +206,7 @@ class SpecCompiler:
                 f"the JSON schema nests sub-schemas {depth} levels deep; the outlines backend compiles at most "
                 f"{MAX_SCHEMA_DEPTH} (its automaton grows exponentially with nesting)"
             )
+        check_supported(schema)
         if _is_generic_object(schema):
             return json_object_regex(self.whitespace_pattern)  # outlines-core's generic object is huge
         generic_object = json_object_regex(self.whitespace_pattern, NESTED_JSON_OBJECT_DEPTH)
@@ -211,7 +215,7 @@ class SpecCompiler:
             # What outlines-core 0.2.14 gets wrong or makes huge, as our own regexes.
             if _is_generic_object(node):
                 return generic_object
-            return bounded_number_regex(node)
+            return bounded_number_regex(node) or format_regex(node) or pattern_schema(node)
 
         try:
             rewritten, placeholders = replace_subschemas(schema, replacement, spec)

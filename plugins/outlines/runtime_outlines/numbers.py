@@ -350,8 +350,16 @@ def subschema_depth(schema: Any) -> int:
         if not isinstance(node, dict):
             continue
         deepest = max(deepest, depth)
-        children = [node[key] for key in _SCHEMA_KEYS if isinstance(node.get(key), dict)]
-        children += [item for key in _SCHEMA_LIST_KEYS if isinstance(node.get(key), list) for item in node[key]]
-        children += [sub for key in _SCHEMA_MAP_KEYS if isinstance(node.get(key), dict) for sub in node[key].values()]
-        stack.extend((child, depth + 1) for child in children)
+        stack.extend((child, depth + 1) for _, child in subschemas(node))
     return deepest
+
+
+def subschemas(node: dict) -> list[tuple[str, Any]]:
+    """``(path, sub-schema)`` of each direct sub-schema of ``node`` (``"items"``, ``"anyOf/0"``,
+    ``"properties/name"``), through the keys that :func:`replace_subschemas` follows."""
+    children = [(key, node[key]) for key in _SCHEMA_KEYS if isinstance(node.get(key), dict)]
+    children += [(f"{key}/{i}", item) for key in _SCHEMA_LIST_KEYS if isinstance(node.get(key), list)
+                 for i, item in enumerate(node[key])]
+    children += [(f"{key}/{name}", sub) for key in _SCHEMA_MAP_KEYS if isinstance(node.get(key), dict)
+                 for name, sub in node[key].items()]
+    return children

@@ -1,0 +1,195 @@
+"""JSON-schema features that outlines-core 0.2.14 gets wrong: refused by name, or given our own regex.
+
+``build_regex_from_schema`` silently ignores many keywords, so a schema using them would constrain
+nothing (``multipleOf``, ``uniqueItems``, ``contains``, ``minProperties`` ...), and some it turns
+into regexes whose matches are not valid JSON or not valid for the schema: ``allOf`` of two
+objects becomes two objects back to back, and ``format`` strings use ``\\d`` (any Unicode digit in
+Rust regex syntax: ``"๐4১௮-06-16"`` was a ``date``), years of any length, optional time zones, and
+classes such as ``[^\\s:@]`` that let a ``uri`` or ``email`` hold a bare ``"``.
+
+:func:`check_supported` raises ValueError naming the first such feature and where it is;
+:func:`format_regex` gives the regex (quotes included) of a ``date``, ``time``, ``date-time``,
+``email`` or ``uri`` string, in ASCII, matching only values that RFC 3339 / JSON Schema's format
+checkers accept, for :func:`runtime_outlines.numbers.replace_subschemas`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from runtime_outlines.numbers import subschemas
+
+_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # 0001-9999
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              r"|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+DATE = rf"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_ATOM = r"[a-z0-9!#$%'*+/=?^_`{|}~-]+"
+_LABEL = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
+_URI_CHARS = r"[A-Za-z0-9._~!$'()*+,;=:@%/-]"
+FORMATS = {
+    "date": DATE,
+    "time": TIME,
+    "date-time": f"{DATE}T{TIME}",
+    "email": rf"{_ATOM}(?:\.{_ATOM})*@(?:{_LABEL}\.)+{_LABEL}",
+    "uri": (rf"(?:(?:https?|ftp)://(?:[A-Za-z0-9._~-]+(?::[A-Za-z0-9._~-]*)?@)?(?:[A-Za-z0-9.-]+\.[A-Za-z]{{2,}}|localhost)"
+            rf"(?::[0-9]{{1,5}})?(?:/{_URI_CHARS}*)?(?:\?(?:{_URI_CHARS}|\?)*)?(?:#(?:{_URI_CHARS}|\?)*)?"
+            rf"|urn:[A-Za-z0-9][A-Za-z0-9-]{{0,31}}:{_URI_CHARS}+)"),
+}
+
+# Keywords outlines-core ignores: a schema that uses them would not be enforced.
+_IGNORED = {
+    "multipleOf": "multipleOf",
+    "contains": "contains (minContains, maxContains)",
+    "minContains": "contains (minContains, maxContains)",
+    "maxContains": "contains (minContains, maxContains)",
+    "propertyNames": "propertyNames",
+    "patternProperties": "patternProperties",
+    "if": "if/then/else",
+    "then": "if/then/else",
+    "else": "if/then/else",
+    "dependentRequired": "dependentRequired",
+    "dependentSchemas": "dependentSchemas",
+    "dependencies": "dependencies",
+}
+
+
+def format_regex(node: Any) -> str | None:
+    """The regex (with its quotes) of a string schema whose ``format`` is in :data:`FORMATS`; None
+    for any other schema."""
+    if not isinstance(node, dict) or node.get("type") != "string" or {"enum", "const", "pattern"} & set(node):
+        return None  # (outlines-core follows a pattern given with a format)
+    regex = FORMATS.get(node.get("format"))
+    return None if regex is None else f'"{regex}"'
+
+
+def check_supported(schema: Any) -> None:
+    """Raise ValueError naming the first feature of ``schema`` that the outlines backend would not
+    enforce (see the module docstring), and the sub-schema's path."""
+    stack = [(schema, "#")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        problem = _problem(node)
+        if problem is not None:
+            raise ValueError(f"{problem} (at {path}) is not supported by the outlines guided decoding backend")
+        stack.extend((child, f"{path}/{key}") for key, child in subschemas(node))
+
+
+def _problem(node: dict) -> str | None:
+    if "enum" in node or "const" in node:
+        return None  # the listed values are the output: other keywords add nothing outlines-core uses
+    for key, name in _IGNORED.items():
+        if key in node and not _trivial(key, node):
+            return name
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return "allOf with more than one sub-schema"
+    if node.get("uniqueItems") is True and not (isinstance(node.get("maxItems"), int) and node["maxItems"] <= 1):
+        return "uniqueItems"
+    for key in ("pattern", "format"):
+        if key in node and ("minLength" in node or "maxLength" in node):
+            return f"{key} together with minLength/maxLength"
+    prefix = node.get("prefixItems")
+    if isinstance(prefix, list) and isinstance(node.get("minItems"), int) and node["minItems"] > len(prefix):
+        return "minItems larger than the number of prefixItems"
+    return _object_problem(node)
+
+
+def _trivial(key: str, node: dict) -> bool:
+    """True where ``node[key]`` constrains nothing (an integer's ``multipleOf: 1``, an empty map)."""
+    value = node[key]
+    if key == "multipleOf":
+        return value == 1 and not isinstance(value, bool) and node.get("type") == "integer"
+    if key in ("contains", "minContains", "maxContains", "if", "then", "else"):
+        return False
+    return value is True or (isinstance(value, dict) and not value)
+
+
+def _object_problem(node: dict) -> str | None:
+    properties = node.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    required = node.get("required")
+    required = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+    missing = [name for name in required if name not in properties]
+    if missing:
+        return f"required property {missing[0]!r} not listed in properties"
+    low = node.get("minProperties")
+    if isinstance(low, int) and not isinstance(low, bool) and low > len(set(required)):
+        return "minProperties larger than the number of required properties"
+    high = node.get("maxProperties")
+    if isinstance(high, int) and not isinstance(high, bool) and (not properties or high < len(properties)):
+        return "maxProperties smaller than the number of properties"
+    return None
+
+
+# ---------------------------------------------------------------------------- string patterns
+# What a pattern's ``.`` and negated classes may match inside a JSON string without escaping.
+_JSON_UNSAFE = r'"\\\x00-\x1F'
+
+
+def pattern_schema(node: Any) -> dict | None:
+    """For :func:`runtime_outlines.numbers.replace_subschemas`: a string schema whose ``pattern``
+    could match ``"``, ``\\`` or a control character (outlines-core writes them into the JSON string
+    unescaped: ``.{2}`` gave ``"a""``) with ``.`` and negated classes kept off them; ValueError where
+    the pattern names such a character itself; None for any other schema."""
+    if not isinstance(node, dict) or not isinstance(node.get("pattern"), str) or {"enum", "const"} & set(node):
+        return None
+    pattern = node["pattern"]
+    if not _may_match_unsafe(pattern):
+        return None
+    safe = _exclude_unsafe(pattern)
+    if _may_match_unsafe(safe):
+        raise ValueError(f"the pattern {pattern!r} can match '\"', '\\' or a control character, which the outlines "
+                         "guided decoding backend cannot escape in a JSON string")
+    return {**node, "pattern": safe}
+
+
+def _may_match_unsafe(pattern: str) -> bool:
+    """True where an atom of ``pattern`` (a character, escape, class or ``.``) matches a character that a
+    JSON string must escape."""
+    for atom in _ATOMS.findall(pattern):
+        try:
+            atom_regex = re.compile(atom)
+        except re.error:  # Rust-only syntax (\p{L}): only a negated Unicode class reaches them
+            if atom.startswith("\\P"):
+                return True
+            continue
+        if any(atom_regex.fullmatch(ch) for ch in _UNSAFE_CHARS):
+            return True
+    return False
+
+
+_UNSAFE_CHARS = ['"', "\\"] + [chr(c) for c in range(0x20)]
+_ATOMS = re.compile(r"\\x[0-9A-Fa-f]{2}|\\u[0-9A-Fa-f]{4}|\\x\{[0-9A-Fa-f]+\}|\\[pP]\{[^}]*\}|\\."
+                    r"|\[\^?\]?(?:\\.|[^\]])*\]|[^\\\[\]().*+?{}|^$]|\.")
+
+
+def _exclude_unsafe(pattern: str) -> str:
+    """``pattern`` with ``.``, ``\\S``/``\\W``/``\\D`` outside classes and every negated class kept off the
+    unsafe characters."""
+    out, i = [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            escape = pattern[i:i + 2]
+            out.append(f"[^{escape.lower()}{_JSON_UNSAFE}]" if escape in ("\\S", "\\W", "\\D") else escape)
+            i += 2
+        elif ch == ".":
+            out.append(f"[^{_JSON_UNSAFE}]")
+            i += 1
+        elif ch == "[":
+            end = i + 1 + (pattern[i + 1:i + 2] == "^")
+            end += pattern[end:end + 1] == "]"  # a leading ] is a literal
+            while end < len(pattern) and pattern[end] != "]":
+                end += 2 if pattern[end] == "\\" else 1
+            body = pattern[i:end]
+            out.append(body + _JSON_UNSAFE + "]" if body.startswith("[^") else body + "]")
+            i = end + 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
