@@ -135,7 +135,7 @@ def _claimed_by(registry: Any, quantization_config: dict[str, Any]) -> str | Non
 def select_quant_method(requested: str | None, hf_config: Any) -> str | None:
     """The quant method to load with: ``requested`` (``--quantization``), else the checkpoint's.
 
-    A checkpoint whose ``quantization_config`` names a method nothing installed handles, or a
+    A checkpoint whose ``quantization_config`` names a method nothing installed handles (or none), or a
     ``requested`` method that differs from the checkpoint's, is a ValueError naming the
     installed methods.
     """
@@ -148,6 +148,12 @@ def select_quant_method(requested: str | None, hf_config: Any) -> str | None:
     installed = ", ".join(sorted(registry.names())) or "none (pip install -e plugins/quant)"
     if requested is not None and requested not in registry:
         raise ValueError("--quantization: " + registry.unknown_message(requested))
+    if quantization_config and named is None and claimed is None:
+        raise ValueError(
+            f"the checkpoint's quantization_config (keys: {', '.join(sorted(quantization_config))}) names no "
+            f"quant_method, so its quantized tensors cannot be read; set quantization_config.quant_method to one "
+            f"of the installed quant methods: {installed}"
+        )
     if named is not None and claimed is None:
         raise ValueError(
             f"the checkpoint's quantization_config.quant_method {named!r} is not supported; "

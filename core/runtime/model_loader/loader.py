@@ -129,7 +129,12 @@ def _weights(resolved: ResolvedModel, fmt: str, model: nn.Module, quant_config: 
         return gguf_weights(resolved.gguf_file, resolved.hf_config, _packed_names(model) if packed_types else (), packed_types)
     from runtime.model_loader.safetensors_weights import safetensors_weights
 
-    return safetensors_weights(resolved.path)
+    weights = safetensors_weights(resolved.path)
+    if quant_config is None:
+        return weights
+    from runtime.model_loader.unquantized_layers import check_unquantized_layers
+
+    return check_unquantized_layers(model, weights)
 
 
 def _packed_names(model: nn.Module) -> frozenset[str]:

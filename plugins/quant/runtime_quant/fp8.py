@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime_quant.linear import W8A8LinearMethod, fp8_online_scheme
-from runtime_quant.scheme import FP8, W8A8Scheme, matches, verify_8bit_platform
+from runtime_quant.scheme import FP8, W8A8Scheme, skips, verify_8bit_platform
 
 ACTIVATION_SCHEMES = ("static", "dynamic")
 
@@ -31,7 +31,7 @@ class W8A8Config:
     ignored: tuple[str, ...] = ()
 
     def linear_method(self, prefix: str) -> W8A8LinearMethod | None:
-        if prefix == "lm_head" or any(matches(prefix, name) for name in self.ignored):
+        if prefix == "lm_head" or any(skips(prefix, name) for name in self.ignored):
             return None
         return W8A8LinearMethod(self.scheme)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runtime_quant.scheme import matches
+from runtime_quant.scheme import skips
 from runtime_quant.wna16_linear import WNA16LinearMethod
 from runtime_quant.wna16_scheme import WNA16Scheme
 
@@ -36,7 +36,7 @@ class WNA16Config:
     def linear_method(self, prefix: str) -> WNA16LinearMethod | None:
         if prefix == "lm_head" and not self.quantize_lm_head:
             return None
-        if any(matches(prefix, name) for name in self.skipped):
+        if any(skips(prefix, name) for name in self.skipped):
             return None
         return WNA16LinearMethod(self.scheme)
 

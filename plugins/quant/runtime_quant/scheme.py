@@ -73,6 +73,16 @@ def matches(prefix: str, pattern: str) -> bool:
     return prefix == pattern or prefix.endswith("." + pattern)
 
 
+def skips(prefix: str, entry: str) -> bool:
+    """An ``ignored_layers`` / ``modules_to_not_convert`` entry against a checkpoint module name:
+    the whole name, its last dotted parts, a module holding it (``model.layers.1``, ``mlp``:
+    transformers' and vLLM's prefix reading of these lists) or ``re:REGEX``. Dotted parts match
+    whole, so ``layers.1`` does not skip ``layers.10``."""
+    if entry.startswith("re:"):
+        return matches(prefix, entry)
+    return f".{entry.strip('.')}." in f".{prefix}."
+
+
 def verify_8bit_platform(platform, scheme: W8A8Scheme) -> None:
     """FP8 GEMMs on CUDA need FP8 tensor cores (compute capability 8.9: Ada, Hopper and later)."""
     if scheme.weight_dtype != FP8 or getattr(platform, "name", None) != "cuda" or not torch.cuda.is_available():

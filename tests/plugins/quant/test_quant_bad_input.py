@@ -47,6 +47,18 @@ def test_unknown_quant_method_names_the_installed_ones(fp8_checkpoint):
         load(fp8_checkpoint)
 
 
+def test_quantization_config_without_quant_method(fp8_checkpoint):
+    """Not read as an unquantized checkpoint (whose FP8 tensors then 'match no parameter'): the field is named."""
+    with open(os.path.join(fp8_checkpoint, "config.json")) as f:
+        config = json.load(f)
+    del config["quantization_config"]["quant_method"]
+    with open(os.path.join(fp8_checkpoint, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"quantization_config \(keys: activation_scheme\) names no quant_method.* "
+                                         r"installed quant methods: awq, compressed-tensors, fp8, gguf, gptq"):
+        load(fp8_checkpoint)
+
+
 def test_unknown_quantization_flag(float_checkpoint):
     with pytest.raises(ValueError, match=r"unknown quant method 'bitsandbytes'; installed: awq, compressed-tensors, fp8, "
                                          r"gguf, gptq, int4_weight_only, int8, int8_weight_only$"):
@@ -127,3 +139,63 @@ def test_compressed_tensors_schemes_it_cannot_run():
         CompressedTensorsMethod().get_config(w4, None)
     with pytest.raises(ValueError, match=r"reads quantized checkpoints.*--quantization fp8 or int8"):
         CompressedTensorsMethod().get_config(None, None)
+
+
+def _fp8_head(with_scale: bool):
+    def edit(state):
+        w = state["lm_head.weight"]
+        scale = (w.abs().max() / 448.0).float()
+        state["lm_head.weight"] = (w / scale).to(torch.float8_e4m3fn)
+        if with_scale:
+            state["lm_head.weight_scale"] = scale
+    return edit
+
+
+@pytest.mark.parametrize("with_scale", [True, False], ids=["with_scale", "codes_alone"])
+def test_quantized_lm_head_where_fp8_keeps_it_plain(fp8_checkpoint, with_scale):
+    """fp8 keeps lm_head unquantized: an FP8 head is refused naming it and the layout it expects
+    (its codes alone were loaded as if they were weights; with a scale, a misleading 'another architecture')."""
+    edit_tensors(fp8_checkpoint, _fp8_head(with_scale))
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'lm_head.weight' is quantized \(its dtype float8_e4m3fn .*"
+                                         r"leaves lm_head unquantized .*expected lm_head.weight as 16/32-bit floats "
+                                         r"\[512, 64\]"):
+        load(fp8_checkpoint)
+
+
+def test_ignored_fused_layer_with_quantized_tensors(fp8_checkpoint):
+    """A config that ignores q/k/v while the checkpoint holds them in FP8: named, not an AttributeError."""
+    edit_config(fp8_checkpoint, ignored_layers=["q_proj", "k_proj", "v_proj"])
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.0.self_attn.\w_proj.\w+' is quantized .*"
+                                         r"leaves model.layers.0.self_attn.\w_proj unquantized .*\[\d+, 64\]"):
+        load(fp8_checkpoint)
+
+
+@pytest.mark.parametrize("entry", ["model.layers.1", "layers.1.mlp"])
+@torch.no_grad()
+def test_ignored_layers_by_module_prefix(float_checkpoint, tmp_path, entry):
+    """``ignored_layers`` / ``modules_to_not_convert`` entries naming a module skip every layer under it
+    (transformers' and vLLM's reading); the model then matches the reference with those layers float."""
+    from quant_checkpoints import FP8, reference_model
+    from test_quant_parity import check_paged_logits, load_quantized
+
+    path = write_fp8_checkpoint(float_checkpoint, str(tmp_path / "fp8"), "dynamic")
+    float_state = load_file(os.path.join(float_checkpoint, "model.safetensors"))
+
+    def under(name: str) -> bool:
+        return f".{entry}." in f".{name}."
+
+    def keep_float(state):
+        for name in [n for n in state if under(n)]:
+            if name.endswith("_proj.weight_scale"):
+                del state[name]
+            elif name.endswith("_proj.weight"):
+                state[name] = float_state[name]
+
+    edit_tensors(path, keep_float)
+    edit_config(path, modules_to_not_convert=[entry])
+    model = load_quantized(path, None)
+    plain = {n for n, m in model.named_modules() if n.endswith("_proj") and m.quant_method is None}
+    quantized = {n for n, m in model.named_modules() if n.endswith("_proj") and m.quant_method is not None}
+    assert plain and all(under(n) for n in plain), plain
+    assert quantized and not any(under(n) for n in quantized), quantized
+    check_paged_logits(model, reference_model(float_checkpoint, "token", FP8, quant_path=path), entry, 2e-2)

@@ -175,3 +175,44 @@ def test_one_row_layers_of_32mi_weights_take_the_large_variant():
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                                 env={**os.environ, "RUNTIME_WNA16_CUDA_GEMV_LARGE_VARIANT": value})
         assert result.stdout.strip() == expected, result.stderr
+
+
+def test_awq_checkpoint_with_a_quantized_lm_head_is_refused(float_checkpoint, tmp_path):
+    """AWQ keeps lm_head unquantized: a packed head is named with the layout expected, not 'matches no parameter'."""
+    path = write_awq_checkpoint(float_checkpoint, str(tmp_path / "awq"), 32)[0]
+
+    def pack_head(state):
+        w = state.pop("lm_head.weight")
+        state["lm_head.qweight"] = torch.zeros(w.shape[1], w.shape[0] // 8, dtype=torch.int32)
+        state["lm_head.qzeros"] = torch.zeros(w.shape[1] // 32, w.shape[0] // 8, dtype=torch.int32)
+        state["lm_head.scales"] = torch.ones(w.shape[1] // 32, w.shape[0], dtype=torch.float16)
+
+    edit_tensors(path, pack_head)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'lm_head.(qweight|qzeros|scales)' is quantized .*leaves "
+                                         r"lm_head unquantized .*expected lm_head.weight as 16/32-bit floats \[512, 64\]"):
+        load(path)
+
+
+def test_gptq_modules_to_not_convert_names_a_module_holding_layers(float_checkpoint, tmp_path):
+    """``modules_to_not_convert: ["model.layers.1"]`` keeps every projection of layer 1 float (vLLM and
+    transformers read entries as module prefixes); the model matches the reference with them float."""
+    from safetensors.torch import load_file
+    from test_quant_parity import check_paged_logits, load_quantized
+    from wna16_checkpoints import dequantized_reference
+
+    path, real = write_gptq_checkpoint(float_checkpoint, str(tmp_path / "gptq"), 4, 32)
+    float_state = load_file(os.path.join(float_checkpoint, "model.safetensors"))
+
+    def keep_layer_1_float(state):
+        for name in [n for n in state if n.startswith("model.layers.1.") and n.endswith(("qweight", "qzeros", "scales", "g_idx"))]:
+            del state[name]
+        state.update({n: t for n, t in float_state.items() if n.startswith("model.layers.1.")})
+
+    edit_tensors(path, keep_layer_1_float)
+    edit_config(path, modules_to_not_convert=["model.layers.1"])
+    model = load_quantized(path, None)
+    assert [n for n, m in model.named_modules() if n.endswith("_proj") and m.quant_method is not None] == [
+        f"model.layers.0.{n}" for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")]
+    reference = dequantized_reference(float_checkpoint, {n: w for n, w in real.items() if not n.startswith("model.layers.1.")})
+    with torch.no_grad():
+        check_paged_logits(model, reference, "gptq layer 1 not converted", 1e-4)
