@@ -91,6 +91,10 @@ class KVConnectorWorker(Protocol):
     # (picklable); ``get_connector_output()`` what this rank reports about the step just run
     # (picklable, or None), read after ``wait_for_save``. Each rank of a tensor-parallel engine
     # has its own worker half and cache shard; the engine's one scheduler half hears from all.
+    # ``stores_draft_kv = True``: ``register_kv_caches`` also gets the layers of a speculative
+    # decoding drafter (draft model, EAGLE head) after the target's; their blocks are the target's
+    # block ids, so a connector that keeps blocks for this same engine (an offload tier) saves
+    # and loads them too, and a drafter finds its own KV in a block loaded back.
 
 
 @runtime_checkable

@@ -134,7 +134,10 @@ class ModelRunner:
         self.kv_connector = make_kv_connector(dataclasses.replace(self.config, cache_config=cache_config),
                                               KVConnectorRole.WORKER)
         if self.kv_connector is not None:
-            self.kv_connector.register_kv_caches(self.kv_caches, block_dim=self._block_dim())
+            caches = self.kv_caches
+            if self.spec_runner is not None and getattr(self.kv_connector, "stores_draft_kv", False):
+                caches = caches + self.spec_runner.kv_caches  # the drafter's layers, on the same block ids
+            self.kv_connector.register_kv_caches(caches, block_dim=self._block_dim())
         self.capture_graphs()
         self.warm_up_sampling()
 

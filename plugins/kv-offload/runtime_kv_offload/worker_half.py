@@ -74,6 +74,10 @@ class OffloadingConnectorWorker:
         self.load_seconds = 0.0
         self.failures_reported = 0
 
+    # A drafter's layers come with the target's (runtime.kv_transfer): a block swapped out or reloaded from a tier
+    # brings back the draft model's KV too, which the drafter reads as its own (its acceptance collapsed without).
+    stores_draft_kv = True
+
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int = 1) -> None:
         self.copier = BlockCopier(kv_caches, block_dim)
         is_cuda = kv_caches[0].is_cuda

@@ -70,3 +70,16 @@ def test_swap_and_tiers_with_an_fp8_kv_cache_equal_recompute(model_path, tiers, 
     check_outputs_equal(expected, tokens, "fp8 KV: swap vs recompute preemption")
     assert stats["num_preemptions"] > 0
     assert stats["kv_offload_blocks_loaded"] > 0
+
+
+def test_a_drafters_kv_comes_back_with_the_swapped_blocks(model_path, recompute):
+    """Speculative decoding with the target as its own draft model: every greedy draft is kept, also for requests
+    whose blocks were swapped out and loaded back, because the drafter's layers travel with the target's. Before,
+    only the target's KV came back and the drafter read stale entries: most of its drafts were rejected."""
+    _, _, reference = recompute
+    spec = {"method": "draft_model", "model": model_path, "num_speculative_tokens": 3}
+    tokens, _, stats = run(model_path, **SWAP, speculative_config=spec)
+    check_outputs_equal(reference, tokens, "swap with a draft model vs transformers")
+    assert stats["num_preemptions"] > 0 and stats["kv_offload_hits_cpu"] > 0, stats
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted == drafted, (accepted, drafted)
