@@ -225,6 +225,8 @@ class ModelRunner:
         if connector is not None:
             connector.start_load_kv(so.kv_connector_metadata)  # this step's loads land before the forward pass
         if so.total_num_scheduled_tokens == 0:
+            if self.spec_runner is not None:
+                self.spec_runner.forget(so.finished_req_ids)
             if connector is not None:
                 connector.wait_for_save()
             return PendingOutput.done(ModelRunnerOutput([], []))

@@ -142,13 +142,17 @@ class SpecDecodeRunner:
         ]
 
     # ---------------------------------------------------------------- step
+    def forget(self, finished_req_ids) -> None:
+        """Drop what the runner keeps of finished requests (also on steps that schedule no token)."""
+        for req_id in finished_req_ids:
+            for table in (self.valid, self.pending, self.written_end):
+                table.pop(req_id, None)
+
     def propose(self, so: SchedulerOutput, inputs, token_ids: np.ndarray) -> StepDrafts | None:
         """Drafts for the step's placeholders, written into ``inputs.input_ids`` and ``token_ids``
         (the input batch's host rows); runs the module's catch-up pass even with no drafts."""
         self.captured.clear()
-        for req_id in so.finished_req_ids:
-            for table in (self.valid, self.pending, self.written_end):
-                table.pop(req_id, None)
+        self.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             self.valid[new.req_id] = new.num_computed_tokens
             self.pending.pop(new.req_id, None)

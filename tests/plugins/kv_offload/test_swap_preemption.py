@@ -16,8 +16,8 @@ PREEMPTION = dict(num_gpu_blocks_override=24, block_size=4, max_model_len=96, ma
 SWAP = dict(preemption_mode="swap", kv_offload="cpu", kv_offload_size="1MiB")
 
 
-def run(model_path: str, **kwargs) -> tuple[list[list[int]], int, dict]:
-    """(tokens per prompt, tokens the device computed, scheduler stats)."""
+def run(model_path: str, inspect=None, **kwargs) -> tuple[list[list[int]], int, dict]:
+    """(tokens per prompt, tokens the device computed, scheduler stats); ``inspect(llm)`` runs before shutdown."""
     llm = LLM(model_path, dtype="float32", skip_tokenizer_init=True, **{**PREEMPTION, **kwargs})
     core = llm.llm_engine.engine_core
     computed = []
@@ -32,6 +32,8 @@ def run(model_path: str, **kwargs) -> tuple[list[list[int]], int, dict]:
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in make_prompts()], params, use_tqdm=False)
     stats = dict(core.scheduler.stats())
+    if inspect is not None:
+        inspect(llm)
     core.shutdown()
     del llm
     gc.collect()
@@ -75,10 +77,19 @@ def test_swap_and_tiers_with_an_fp8_kv_cache_equal_recompute(model_path, tiers, 
 def test_a_drafters_kv_comes_back_with_the_swapped_blocks(model_path, recompute):
     """Speculative decoding with the target as its own draft model: every greedy draft is kept, also for requests
     whose blocks were swapped out and loaded back, because the drafter's layers travel with the target's. Before,
-    only the target's KV came back and the drafter read stale entries: most of its drafts were rejected."""
+    only the target's KV came back and the drafter read stale entries: most of its drafts were rejected. And the
+    drafter forgets finished requests also when their last step schedules no token (the offload tier's save-only
+    steps): it kept them before."""
     _, _, reference = recompute
     spec = {"method": "draft_model", "model": model_path, "num_speculative_tokens": 3}
-    tokens, _, stats = run(model_path, **SWAP, speculative_config=spec)
+    kept = []
+
+    def inspect(llm):
+        runner = llm.llm_engine.engine_core.executor.worker.model_runner.spec_runner
+        kept.extend([*runner.valid, *runner.pending, *runner.written_end])
+
+    tokens, _, stats = run(model_path, inspect, **SWAP, speculative_config=spec)
+    assert kept == [], kept
     check_outputs_equal(reference, tokens, "swap with a draft model vs transformers")
     assert stats["num_preemptions"] > 0 and stats["kv_offload_hits_cpu"] > 0, stats
     drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
