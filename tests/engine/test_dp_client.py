@@ -167,6 +167,29 @@ def test_cpu_replicas_share_the_cores():
         assert place0.cpu_cores == tuple(cores[:share]) and place1.cpu_cores == tuple(cores[share:2 * share])
 
 
+@pytest.mark.parametrize("given", [{"kv_port": 18790}, {}, '{"kv_port": 18790}'])
+def test_each_replica_serves_kv_transfers_on_its_own_ports(given):
+    """A P/D connector binds kv_port and kv_port + 1 in each replica's engine: replica r takes kv_port + 2 r (the
+    default port when none is given; a JSON string as well), else every replica but one fails to start."""
+    import json
+
+    from runtime.engine.dp_placement import DEFAULT_KV_PORT, replica_placements
+    from runtime.engine_args import EngineArgs
+
+    transfer = {"kv_connector": "TcpConnector", "kv_role": "kv_producer"}
+    raw = ('{"kv_connector": "TcpConnector", "kv_role": "kv_producer", ' + given[1:]) if isinstance(given, str) else {**transfer, **given}
+    base = 18790 if given else DEFAULT_KV_PORT
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=3, world_size=1),
+                             device_config=SimpleNamespace(platform="cpu"))
+    placements = replica_placements(EngineArgs.from_kwargs(model="m", kv_transfer_config=raw), config)
+    assert placements[0][0].kv_transfer_config == raw  # rank 0 as given
+    for rank, (args, _) in enumerate(placements[1:], start=1):
+        assert args.kv_transfer_config == {**transfer, "kv_port": base + 2 * rank}
+    assert json.loads(json.dumps(placements[2][0].kv_transfer_config))["kv_role"] == "kv_producer"
+    (args, _), _ = replica_placements(EngineArgs.from_kwargs(model="m"), two_replicas_on("cpu"))
+    assert args.kv_transfer_config is None
+
+
 def test_the_placement_environment_is_set_around_the_spawn_only(monkeypatch):
     monkeypatch.setenv("SIM_VISIBLE_DEVICES", "0,1,2,3")
     placement = ReplicaPlacement(1, env=(("SIM_VISIBLE_DEVICES", "2,3"), ("SIM_OTHER", "x")))

@@ -15,9 +15,9 @@ from runtime_pd.scheduler_half import TcpConnectorScheduler
 from runtime_pd.worker_half import TcpConnectorWorker
 
 
-def config(mode: str = "recompute"):
-    transfer = {"kv_connector": "TcpConnector", "kv_role": "kv_consumer", "engine_id": "d",
-                "kv_connector_extra_config": {"on_transfer_failure": mode}}
+def config(mode: str = "recompute", role: str = "kv_consumer", port: int | None = None):
+    transfer = {"kv_connector": "TcpConnector", "kv_role": role, "engine_id": "d",
+                "kv_connector_extra_config": {"on_transfer_failure": mode}, **({"kv_port": port} if port else {})}
     cache = types.SimpleNamespace(kv_transfer_config=parse_transfer_config(transfer), block_size=4, cache_dtype="auto",
                                   kv_block_layout="")
     model = types.SimpleNamespace(architecture="LlamaForCausalLM", dtype="float32",
@@ -90,3 +90,39 @@ def test_the_block_server_answers_at_once_for_an_ended_lease_and_at_shutdown():
     waiting.join(timeout=5)
     assert time.monotonic() - start < 1.0
     assert "shutting down" in pending["reply"][0].error
+
+
+def test_a_pull_of_an_unknown_lease_holds_no_other_pull():
+    """A pull whose lease is not registered (never made, or its step not run yet) waits without the server's one
+    thread: a pull of a leased request behind it is answered at once, and the waiting one once its lease comes."""
+    import time
+
+    import zmq
+    from support.remote_server import free_port
+
+    from runtime_pd.wire import PullRequest, decode_reply, encode
+
+    worker = TcpConnectorWorker(config(role="kv_producer", port=free_port()))
+    worker.register_kv_caches([torch.arange(2 * 6 * 4 * 3.0).view(2, 6, 4, 3) for _ in range(2)], block_dim=1)
+    context = zmq.Context()
+    sockets = {name: context.socket(zmq.DEALER) for name in ("unknown", "late", "leased")}
+    try:
+        for name, socket in sockets.items():
+            socket.linger = 0
+            socket.connect(f"tcp://127.0.0.1:{worker.settings.port}")
+            socket.send(encode(PullRequest(name, [1], worker.layout)))
+            time.sleep(0.05)  # in this order: the leased pull comes behind the two that wait
+        start = time.monotonic()
+        worker.start_load_kv(types.SimpleNamespace(leases={"leased": [1]}, unleases=[], loads=[]))
+        assert sockets["leased"].poll(2000), "a pull of a leased request waited behind one of an unknown lease"
+        assert time.monotonic() - start < 1.0 and decode_reply(sockets["leased"].recv_multipart()[0]).error == ""
+        worker.start_load_kv(types.SimpleNamespace(leases={"late": [1]}, unleases=[], loads=[]))
+        assert sockets["late"].poll(2000) and decode_reply(sockets["late"].recv_multipart()[0]).error == ""
+        assert not sockets["unknown"].poll(0)  # still waiting for its lease
+        assert sockets["unknown"].poll(8000)
+        assert "no blocks are leased to request 'unknown'" in decode_reply(sockets["unknown"].recv_multipart()[0]).error
+    finally:
+        for socket in sockets.values():
+            socket.close()
+        context.term()
+        worker.shutdown()

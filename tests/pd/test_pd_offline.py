@@ -56,6 +56,18 @@ def test_a_mismatched_prompt_is_refused_before_any_pull(fail_mode_llm):
         fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params(other), use_tqdm=False)
 
 
+def test_a_one_token_prompt_pulls_nothing(fail_mode_llm):
+    """A one-token prompt leaves the prefill instance no tokens to hand over (it leases no blocks): the decode
+    instance computes it at once (before, it pulled a lease that was never made: waited for the pull's timeout,
+    which fails the request in fail mode, and held the prefill instance's block server meanwhile)."""
+    from runtime_pd.settings import prompt_digest
+
+    empty = {**remote_params(free_port(), 0), "remote_block_ids": [], "num_remote_tokens": 0, "prompt_digest": prompt_digest([])}
+    (pulled,) = fail_mode_llm.generate([{"prompt_token_ids": PROMPT[:1]}], params(empty), use_tqdm=False)
+    (local,) = fail_mode_llm.generate([{"prompt_token_ids": PROMPT[:1]}], params({}), use_tqdm=False)
+    assert pulled.outputs[0].token_ids == local.outputs[0].token_ids and len(local.outputs[0].token_ids) == 4
+
+
 def test_aborts_free_both_sides(tiny_pd_model, fail_mode_llm):
     from runtime import LLM
 

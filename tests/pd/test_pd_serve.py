@@ -153,6 +153,27 @@ def test_a_lease_nobody_pulls_expires(pd):
     assert wait_for(lambda: prefill.metric(USAGE) == 0.0, LEASE_S + 5)
 
 
+def test_bad_kv_transfer_params_are_a_400_naming_the_field(pd):
+    """kv_transfer_params that name no prefill instance's blocks (a wrong type, a value out of range, keys
+    missing) fail the request with a 400 naming the field, in any on_transfer_failure mode; the decode engine
+    goes on (before, a value of a wrong type raised in its scheduler and killed it)."""
+    prefill, decode, proxy = pd
+    body = {"prompt": PROMPT + " in bad shape", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    good = httpx.post(prefill.url + "/v1/completions", json=body, timeout=60).json()["kv_transfer_params"]
+    for bad, message in (({**good, "num_remote_tokens": "abc"}, "num_remote_tokens must be an integer, got 'abc'"),
+                         ({**good, "remote_port": 99999}, "remote_port 99999 is not a valid TCP port"),
+                         ({**good, "remote_block_ids": [[1]]}, "remote_block_ids must be block numbers >= 0"),
+                         ({"do_remote_prefill": True}, "kv_transfer_params lacks remote_host, remote_port")):
+        body = {"prompt": PROMPT + " in bad shape", "max_tokens": MAX_TOKENS, "kv_transfer_params": bad}
+        for url in (decode.url, proxy.url):  # the proxy passes on a request that carries kv_transfer_params
+            response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "kv_transfer_params" and message in error["message"], error
+    assert httpx.get(decode.url + "/health", timeout=5).status_code == 200
+    assert completion(proxy.client()) == completion(prefill.client())
+
+
 def test_a_dead_prefill_instance_makes_the_decode_instance_recompute(pd):
     prefill, decode, _ = pd
     prompt = "Lost in transfer: " + " ".join(f"y{i}" for i in range(40))

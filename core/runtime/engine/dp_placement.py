@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
+
+DEFAULT_KV_PORT = 14579  # vLLM's KVTransferConfig.kv_port, which the P/D connectors take when none is given
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,32 @@ def visible_devices(env_names: tuple[str, ...], num_needed: int, device_count: i
 
 def replica_placements(engine_args: EngineArgs, config: EngineConfig) -> list[tuple[EngineArgs, ReplicaPlacement]]:
     """Each replica's engine arguments and placement, in rank order (one entry without data parallelism)."""
+    placements = _placements(engine_args, config)
+    return [(_with_own_kv_port(args, placement.rank), placement) for args, placement in placements]
+
+
+def _with_own_kv_port(engine_args: EngineArgs, rank: int) -> EngineArgs:
+    """Replica ``rank``'s arguments with its own ``kv_port`` (as vLLM offsets its KV side channel by the data
+    parallel rank): a P/D connector of each replica binds ``kv_port`` and ``kv_port + 1``, so rank r takes
+    ``kv_port + 2 r``. Its kv_transfer_params name that port, so decode instances pull from the right replica."""
+    raw = engine_args.kv_transfer_config
+    if rank == 0 or not raw:
+        return engine_args
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return engine_args  # reported by name when the engine config is built
+    if not isinstance(raw, dict):
+        return engine_args
+    try:
+        base = int(raw.get("kv_port") or DEFAULT_KV_PORT)
+    except (TypeError, ValueError):
+        return engine_args  # reported by the connector, which reads it
+    return dataclasses.replace(engine_args, kv_transfer_config={**raw, "kv_port": base + 2 * rank})
+
+
+def _placements(engine_args: EngineArgs, config: EngineConfig) -> list[tuple[EngineArgs, ReplicaPlacement]]:
     from runtime.platforms import select_platform
 
     parallel = config.parallel_config

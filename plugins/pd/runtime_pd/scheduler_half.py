@@ -27,7 +27,7 @@ from runtime.scheduler.request import RequestStatus
 
 from runtime_pd.lease import Leases
 from runtime_pd.puller import Puller, Staged
-from runtime_pd.settings import layout_key, prompt_digest, settings_of, transfer_params
+from runtime_pd.settings import layout_key, malformed_reason, prompt_digest, settings_of, transfer_params
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class TcpConnectorScheduler:
         self.lease_followers: dict[tuple, list[str]] = {}  # lease -> requests waiting for that pull
         self.request_leases: dict[str, tuple] = {}  # request id -> its lease (pulling, following or staged)
         self.seen_leases: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self.rejected: set[str] = set()  # requests whose kv_transfer_params are malformed: they fail in any mode
         self.num_failed_pulls = 0
         self.writing: dict[str, int] = {}  # request id -> worker ranks that reported its background write
         self.written: set[str] = set()  # background writes every rank finished
@@ -100,12 +101,21 @@ class TcpConnectorScheduler:
             return 0, False
         state = self.pulls.get(request.request_id)
         if state is None:
+            bad = malformed_reason(params)
+            if bad is not None:  # a client error, whatever on_transfer_failure says (and no lease to free)
+                self.pulls[request.request_id] = bad
+                self.rejected.add(request.request_id)
+                self.puller.ended.append((request.request_id, bad))
+                return 0, True
             why = self._check(request, params)
             if why is not None:
                 self.pulls[request.request_id] = why
                 self.puller.ended.append((request.request_id, why))
                 self.puller.cancel(params)
                 return 0, True
+            if not params["remote_block_ids"]:  # a one-token prompt: the prefill instance leased nothing
+                self.pulls[request.request_id] = _DONE
+                return 0, False
             key = lease_key(params)
             self.request_leases[request.request_id] = key
             if key in self.lease_pullers:  # a sibling's pull of the same lease is under way: wait for it
@@ -147,11 +157,7 @@ class TcpConnectorScheduler:
 
     def _check(self, request, params: dict) -> str | None:
         """Why the remote blocks cannot be used for ``request`` (None: they can)."""
-        keys = ("remote_host", "remote_port", "remote_engine_id", "remote_request_id", "remote_block_ids", "num_remote_tokens")
-        missing = [k for k in keys if k not in params]
-        if missing:
-            return f"kv_transfer_params lacks {', '.join(missing)} (pass on the prefill response's kv_transfer_params)"
-        num_tokens = int(params["num_remote_tokens"])
+        num_tokens = params["num_remote_tokens"]
         if params.get("block_size") != self.block_size or len(params["remote_block_ids"]) != -(-num_tokens // self.block_size):
             return f"the prefill instance's block size {params.get('block_size')} differs from this one's {self.block_size}"
         if num_tokens >= request.num_prompt_tokens or prompt_digest(request.prompt_token_ids[:num_tokens]) != params.get("prompt_digest"):
@@ -185,6 +191,10 @@ class TcpConnectorScheduler:
             for rid in [request_id, *followers]:
                 if rid not in self.pulls:
                     continue  # aborted meanwhile
+                if rid in self.rejected:
+                    self.rejected.discard(rid)
+                    ended[rid] = result
+                    continue
                 if rid != request_id and isinstance(result, Staged) and not result.released_at_pull:
                     self.pulls[rid] = _DONE  # blocks read in place once: a sibling computes its prompt here
                     ended[rid] = None
@@ -249,7 +259,9 @@ class TcpConnectorScheduler:
         params = transfer_params(request)
         state = self.pulls.pop(request.request_id, None)
         self.request_leases.pop(request.request_id, None)
+        self.rejected.discard(request.request_id)
         if (state is None and params and params.get("do_remote_prefill") and self.puller is not None
+                and malformed_reason(params) is None
                 and lease_key(params) not in self.seen_leases):  # a sibling's pull frees the lease otherwise
             self.puller.cancel(params)  # never pulled: free the prefill instance's blocks now
         elif isinstance(state, Staged):

@@ -81,3 +81,34 @@ def transfer_params(request) -> dict | None:
     extra = request.sampling_params.extra_args
     params = extra.get("kv_transfer_params") if extra else None
     return params if isinstance(params, dict) else None
+
+
+# kv_transfer_params a decode instance reads (a prefill response's), and the JSON type each must have
+_REMOTE_FIELDS = (("remote_host", str), ("remote_port", int), ("remote_engine_id", str), ("remote_request_id", str),
+                  ("remote_block_ids", list), ("num_remote_tokens", int), ("block_size", int))
+
+
+def malformed_reason(params: dict) -> str | None:
+    """Why ``params`` (a ``do_remote_prefill`` request's kv_transfer_params) cannot name a prefill
+    instance's blocks at all (a client error: the message starts with the request field), or None."""
+    missing = [name for name, _ in _REMOTE_FIELDS if name not in params]
+    if missing:
+        return f"kv_transfer_params lacks {', '.join(missing)} (pass on the prefill response's kv_transfer_params)"
+    for name, kind in _REMOTE_FIELDS:
+        value = params[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"kv_transfer_params: {name} must be {_JSON_NAMES[kind]}, got {value!r:.80}"
+    if not 0 < params["remote_port"] < 65535:
+        return f"kv_transfer_params: remote_port {params['remote_port']} is not a valid TCP port"
+    if params["num_remote_tokens"] < 0 or params["block_size"] <= 0:
+        return (f"kv_transfer_params: num_remote_tokens ({params['num_remote_tokens']}) must be >= 0 and "
+                f"block_size ({params['block_size']}) > 0")
+    ids = params["remote_block_ids"]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return f"kv_transfer_params: remote_block_ids must be block numbers >= 0, got {ids!r:.80}"
+    if not isinstance(params.get("remote_instance", ""), str) or not isinstance(params.get("prompt_digest", ""), str):
+        return "kv_transfer_params: remote_instance and prompt_digest must be strings"
+    return None
+
+
+_JSON_NAMES = {str: "a string", int: "an integer", list: "a list"}

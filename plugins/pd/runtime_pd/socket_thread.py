@@ -27,11 +27,20 @@ class SocketThread:
 
     def _run(self) -> None:
         while self.running:
-            if self.socket.poll(self.POLL_MS):
+            if self.socket.poll(self.poll_ms()):
                 self.handle(self.socket.recv_multipart(copy=False))
+            else:
+                self.tick()
+
+    def poll_ms(self) -> int:
+        """How long to wait for the next message before :meth:`tick`."""
+        return self.POLL_MS
 
     def handle(self, frames: list) -> None:
         raise NotImplementedError
+
+    def tick(self) -> None:
+        """Called when no message came within :meth:`poll_ms`."""
 
     def stop(self) -> None:
         self.running = False

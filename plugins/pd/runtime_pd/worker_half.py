@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 
 import torch
 import zmq
@@ -129,20 +130,28 @@ class TcpConnectorWorker:
         return set(), set()  # sends: the scheduler half hears of pulls itself; loads: get_connector_output reports them
 
     def serve_pull(self, request_id: str, block_ids: list[int], layout: str) -> tuple[PullReply, list]:
-        """The reply to one pull: the leased blocks, or an error naming why not."""
+        """The reply to one pull: the leased blocks, or an error naming why not (waits up to LEASE_WAIT_S for
+        a lease not registered yet; the block server waits without blocking other pulls, see ``try_serve``)."""
+        with self.lock:
+            if layout == self.layout:
+                self.lock.wait_for(lambda: request_id in self.leases or request_id in self.ended or self.closing, LEASE_WAIT_S)
+            return self.try_serve(request_id, block_ids, layout, final=True)
+
+    def try_serve(self, request_id: str, block_ids: list[int], layout: str, final: bool) -> tuple | None:
+        """The reply to one pull, or None (unless ``final``) while its lease is not registered: its step
+        may still be on the way. A lease that ended, and a shutdown, are answered at once."""
         if layout != self.layout:
             return self.refuse("the decode instance runs a different model layout (architecture, dtype, block size or "
                                "the attention backend's order of a block's bytes)")
         with self.lock:
-            # A lease not registered yet is waited for (its step may still be on the way); one that ended, and a
-            # shutdown, answer at once: this thread serves every pull, and a wait holds all of them.
-            self.lock.wait_for(lambda: request_id in self.leases or request_id in self.ended or self.closing, LEASE_WAIT_S)
             if request_id not in self.leases:
                 if self.closing:
                     return self.refuse("the prefill instance is shutting down")
                 if request_id in self.ended:
                     return self.refuse(f"the lease of request {request_id!r} has ended (its blocks were pulled "
                                        "already, or the lease expired)")
+                if not final:
+                    return None
                 return self.refuse(f"no blocks are leased to request {request_id!r} (lease expired or never made)")
             leased = self.leases[request_id]
             if block_ids != leased[: len(block_ids)]:
@@ -166,18 +175,45 @@ class TcpConnectorWorker:
 
 
 class BlockServer(SocketThread):
-    """A ROUTER socket that answers pulls with :meth:`TcpConnectorWorker.serve_pull`."""
+    """A ROUTER socket that answers pulls with :meth:`TcpConnectorWorker.try_serve`. A pull whose lease is
+    not registered yet waits in ``pending`` (up to LEASE_WAIT_S), asked again every RETRY_MS: the one
+    thread goes on answering the other pulls meanwhile."""
+
+    RETRY_MS = 5
 
     def __init__(self, worker: TcpConnectorWorker, address: str):
         self.worker = worker
+        self.pending: list[tuple[float, bytes, object]] = []  # (give up at, client identity, pull)
         super().__init__(zmq.ROUTER, address, "KV pulls")
+
+    def poll_ms(self) -> int:
+        return self.RETRY_MS if self.pending else self.POLL_MS
 
     def handle(self, frames: list) -> None:
         identity, payload = frames
         try:
             pull = decode_request(payload.buffer)
-            reply, layers = self.worker.serve_pull(pull.request_id, pull.block_ids, pull.layout)
         except Exception as exc:  # noqa: BLE001 - a bad pull is answered, never kills the server
-            logger.exception("serving a KV pull failed")
-            reply, layers = self.worker.refuse(f"the prefill instance failed to serve the pull: {exc}")
+            logger.exception("decoding a KV pull failed")
+            return self.reply(identity, self.worker.refuse(f"the prefill instance failed to serve the pull: {exc}"))
+        self.pending.append((time.monotonic() + LEASE_WAIT_S, identity, pull))
+        self.tick()
+
+    def tick(self) -> None:
+        """Answer each pending pull that can be answered now (or has waited long enough)."""
+        now, waiting = time.monotonic(), []
+        for give_up_at, identity, pull in self.pending:
+            try:
+                reply = self.worker.try_serve(pull.request_id, pull.block_ids, pull.layout, final=now >= give_up_at)
+            except Exception as exc:  # noqa: BLE001 - a bad pull is answered, never kills the server
+                logger.exception("serving a KV pull failed")
+                reply = self.worker.refuse(f"the prefill instance failed to serve the pull: {exc}")
+            if reply is None:
+                waiting.append((give_up_at, identity, pull))
+            else:
+                self.reply(identity, reply)
+        self.pending = waiting
+
+    def reply(self, identity, answer: tuple) -> None:
+        reply, layers = answer
         self.socket.send_multipart([identity, encode(reply), *layers], copy=False)
