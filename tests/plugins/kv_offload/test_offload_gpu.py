@@ -36,3 +36,17 @@ def test_swap_preemption_and_disk_tier_on_the_gpu(model_path, baseline, tmp_path
         close(llm)
         check_outputs_equal(reference, [output for turn in turns for _, output, _ in turn], f"cuda run {run} vs transformers")
     assert stats[-1]["kv_offload_hits_disk"] > 0
+
+
+def test_a_drafters_kv_comes_back_from_the_cpu_tier_on_the_gpu(model_path, baseline):
+    """The target as its own draft model, in CUDA graphs: conversation turns reload their history from the cpu tier,
+    the drafter's layers with the target's, so every greedy draft is kept."""
+    _, _, reference = baseline
+    spec = {"method": "draft_model", "model": model_path, "num_speculative_tokens": 3}
+    llm = make_llm(model_path, platform="cuda", kv_offload="cpu", kv_offload_size="1MiB", speculative_config=spec)
+    turns, stats = run_turns(llm)
+    close(llm)
+    check_outputs_equal(reference, [output for turn in turns for _, output, _ in turn], "cuda + draft model vs transformers")
+    last = stats[-1]
+    assert last["kv_offload_blocks_loaded"] > 0, last
+    assert 0 < last["spec_decode_num_accepted_tokens"] == last["spec_decode_num_draft_tokens"], last
