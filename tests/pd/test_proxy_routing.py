@@ -134,3 +134,43 @@ def test_a_relayed_stream_closes_upstream_and_gives_back_once(client):
         assert sent[:2] == ["http.response.start", "http.response.body"]
     else:
         assert sent == []  # nothing was sent: the relay never started
+
+
+def test_more_concurrent_streams_than_a_default_connection_pool():
+    """150 streams at once through the proxy all reach the decode instance before any ends: the proxy's HTTP client
+    caps no connections (the instances refuse load themselves, with a 503). It capped them at httpx's default 100,
+    and the rest waited for a stream to end."""
+    num_streams, opened, release = 150, [], threading.Event()
+    held = FastAPI()
+
+    @held.post("/v1/completions")
+    async def completions(request: Request):
+        if not (await request.json()).get("stream"):
+            return {"choices": [{"text": "a"}], "kv_transfer_params": {"remote_block_ids": [0]}}
+        opened.append(True)
+
+        async def events():
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def streams(proxy):
+        async with httpx.AsyncClient(base_url=proxy, timeout=60, limits=httpx.Limits(max_connections=None)) as client:
+            body = {"prompt": "x", "max_tokens": 2, "stream": True}
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(num_streams)]
+            await asyncio.to_thread(wait_for, lambda: len(opened) >= num_streams, 30)
+            open_at_once = len(opened)
+            release.set()
+            responses = await asyncio.gather(*tasks)
+        return open_at_once, [r.status_code for r in responses]
+
+    with serving([instance_app(), held]) as (prefill, decode):
+        backends = Backends([prefill], [decode])
+        with serving([build_app(backends)]) as (proxy,):
+            open_at_once, statuses = asyncio.run(streams(proxy))
+    assert open_at_once == num_streams, f"only {open_at_once} of {num_streams} streams reached the decode instance at once"
+    assert statuses == [200] * num_streams
+    assert backends.in_flight == {"prefill": {prefill: 0}, "decode": {decode: 0}}

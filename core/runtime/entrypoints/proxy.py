@@ -115,7 +115,9 @@ def build_app(backends: Backends) -> FastAPI:
 
     def client() -> httpx.AsyncClient:
         if app.state.client is None:
-            app.state.client = httpx.AsyncClient(timeout=timeout)
+            # No cap on connections (httpx's default of 100 queued every stream past the 100th until one ended):
+            # the instances refuse what they cannot take (--max-concurrent-requests: a 503, relayed).
+            app.state.client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None))
         return app.state.client
 
     async def route(request: Request, path: str):
@@ -168,7 +170,8 @@ def build_app(backends: Backends) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        response = await client().get(backends.decode[0] + "/v1/models", headers=dict(request.headers))
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        response = await client().get(backends.decode[0] + "/v1/models", headers=headers)
         return Response(response.content, response.status_code, media_type="application/json")
 
     @app.get("/health")
