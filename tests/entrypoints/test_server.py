@@ -122,6 +122,23 @@ def test_chat_matches_transformers(client, hf):
         assert bytes(entry.bytes).decode() == entry.token
 
 
+def test_chat_logprob_bytes_are_the_tokens_own(client, hf):
+    """A character split over two tokens: each token alone shows as U+FFFD, and its ``bytes`` are its own (joined,
+    the character's UTF-8), as OpenAI's field is meant; they were U+FFFD's bytes, which say nothing."""
+    tokenizer, _ = hf
+    char = next(c for c in "你好世界😀🙂" if len(tokenizer.encode(c, add_special_tokens=False)) == 2)
+    pieces = tokenizer.encode(char, add_special_tokens=False)
+    joined = b""
+    for token_id in pieces:
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=1, logprobs=True,
+            logit_bias={str(token_id): 100}, extra_body={"ignore_eos": True})
+        entry = chat.choices[0].logprobs.content[0]
+        assert entry.token == "\ufffd"
+        joined += bytes(entry.bytes)
+    assert joined.decode() == char
+
+
 # -------------------------------------------------------------- streaming
 def test_completion_stream_equals_unary(client):
     unary = complete(client, "The capital of France is", logprobs=1)

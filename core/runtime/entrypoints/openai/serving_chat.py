@@ -164,12 +164,13 @@ class OpenAIServingChat(OpenAIServing):
             token = self.token_text(token_id, chosen, as_ids)
             top = [self._top(t, lp, as_ids) for t, lp in top_entries(position, num_top)]
             logprob = clamp_logprob(chosen.logprob) if chosen else -9999.0
-            content.append(ChatTokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=top))
+            content.append(ChatTokenLogprob(token=token, logprob=logprob, bytes=self.token_bytes(token_id, token, as_ids),
+                                            top_logprobs=top))
         return ChatChoiceLogprobs(content=content)
 
     def _top(self, token_id: int, logprob, as_id: bool = False) -> TopLogprob:
         token = self.token_text(token_id, logprob, as_id)
-        return TopLogprob(token=token, logprob=clamp_logprob(logprob.logprob), bytes=list(token.encode()))
+        return TopLogprob(token=token, logprob=clamp_logprob(logprob.logprob), bytes=self.token_bytes(token_id, token, as_id))
 
     # -------------------------------------------------------------- streaming
     async def _stream(

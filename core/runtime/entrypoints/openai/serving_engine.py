@@ -42,6 +42,7 @@ class OpenAIServing:
     def __init__(self, ctx: ServingContext):
         self.ctx = ctx
         self.engine = ctx.engine
+        self._token_bytes = None  # TokenBytes of the tokenizer, made at the first logprobs asked for
 
     def tokens_as_ids(self, request) -> bool:
         """Whether ``request``'s logprobs name tokens as ``token_id:N``: its own field, else the server's flag."""
@@ -119,6 +120,17 @@ class OpenAIServing:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int, token: str, as_id: bool = False) -> list[int]:
+        """OpenAI's logprob ``bytes`` of a token shown as ``token``: the token's own bytes from the vocabulary (a
+        token that is part of a character shows as U+FFFD, whose bytes would say nothing), else ``token``'s."""
+        if as_id or self.tokenizer is None:
+            return list(token.encode())
+        if self._token_bytes is None:
+            from runtime.entrypoints.openai.token_bytes import TokenBytes
+
+            self._token_bytes = TokenBytes(self.tokenizer)
+        return self._token_bytes(token_id, token)
 
     def prompt_logprobs_field(self, prompt_logprobs) -> list | None:
         """vLLM's ``prompt_logprobs`` response field: per prompt position, None (the first) or {token id: {logprob,
