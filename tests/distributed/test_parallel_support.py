@@ -42,3 +42,43 @@ def test_speculative_decoding_is_refused_with_pipeline_stages():
     with pytest.raises(ValueError, match="speculative decoding with pipeline_parallel_size 2 is not supported"):
         check_parallel_support(config(pp=2, speculative=ngram))
     check_parallel_support(config(tp=2, speculative=ngram))
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    """4 attention heads, 2 KV heads, an MLP of 128, 2 decoder layers."""
+    from runtime.testing.models import build_untokenized_model
+
+    return build_untokenized_model("llama", tmp_path_factory.mktemp("support_llama"))
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(tensor_parallel_size=3), r"tensor_parallel_size 3 does not split the model's 4 attention heads \(2 KV heads\)"
+                                   r" and an MLP of 128 evenly; valid: 1, 2, 4$"),
+    (dict(tensor_parallel_size=8), r"tensor_parallel_size 8 does not split .*; valid: 1, 2, 4$"),
+    (dict(pipeline_parallel_size=3), r"pipeline_parallel_size 3 is more than the model's 2 decoder layers .*; valid: 1 to 2$"),
+    (dict(tensor_parallel_size=2, executor="uni"), r"executor 'uni' runs one worker, but tensor_parallel_size 2 x "
+                                                   r"pipeline_parallel_size 1 needs 2; choose one of: .*\bmultiproc\b"),
+], ids=["tp3", "tp8", "pp3", "uni-tp2"])
+def test_a_layout_the_model_cannot_take_is_refused_before_any_worker_starts(llama_path, settings, message):
+    """A size that does not split the heads, more stages than layers, or a one-worker executor for
+    several workers: a ValueError naming the value and the valid ones, not a worker's traceback."""
+    import multiprocessing
+
+    from runtime import LLM
+
+    with pytest.raises(ValueError, match=message):
+        LLM(llama_path, dtype="float32", skip_tokenizer_init=True, **settings)
+    assert not multiprocessing.active_children()
+
+
+def test_valid_tensor_parallel_sizes_follow_the_heads_and_the_mlp():
+    from runtime.distributed.layout import valid_tensor_parallel_sizes
+
+    def shape(heads, kv_heads, intermediate=None):
+        return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate)
+
+    assert valid_tensor_parallel_sizes(shape(8, 2, 64)) == [1, 2, 4, 8]  # 4 and 8 replicate each KV head
+    assert valid_tensor_parallel_sizes(shape(12, 4, 96)) == [1, 2, 4, 12]  # 3 splits no KV head, 6 replicates none evenly
+    assert valid_tensor_parallel_sizes(shape(8, 8, 12)) == [1, 2, 4]  # 8 does not split the MLP
+    assert valid_tensor_parallel_sizes(SimpleNamespace()) is None  # not a shape it knows: not checked

@@ -153,3 +153,14 @@ def test_executor_flag_names_ray_and_lists_the_valid_ones(tmp_path):
             config("ray")
     finally:
         plugins.reset_plugin_manager(saved)
+
+
+def test_ranks_go_node_by_node_this_node_first_and_by_device_number():
+    """Device ids are numbers: GPU 2 comes before GPU 10 (as text it would not), so a node's
+    tensor-parallel ranks follow its devices."""
+    from runtime_ray.executor import rank_order
+
+    infos = [{"ip": ip, "gpu_ids": gpus} for ip, gpus in [
+        ("10.0.0.2", ["0"]), ("10.0.0.1", ["10"]), ("10.0.0.1", ["2"]), ("10.0.0.1", ["1"]), ("10.0.0.3", []),
+    ]]
+    assert rank_order(infos, here="10.0.0.1") == [3, 2, 1, 0, 4]

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from runtime.config import EngineConfig
+from runtime.distributed.layout import check_parallel_layout
 from runtime.executor import worker_proc
 from runtime.executor.broadcast import BroadcastExecutor, WorkerSocket
 from runtime.quantization import supports_tensor_parallel
@@ -40,6 +41,8 @@ def worker_context():
 def check_parallel_support(config: EngineConfig) -> None:
     """Refuse what cannot be split across workers yet, naming the combination."""
     parallel = config.parallel_config
+    resolved = getattr(config.model_config, "resolved", None)  # a model's shape: its heads and layers
+    check_parallel_layout(getattr(resolved, "hf_config", None), parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     if parallel.pipeline_parallel_size > 1 and config.plugin_options.get("speculative_config"):
         raise ValueError(
             f"speculative decoding with pipeline_parallel_size {parallel.pipeline_parallel_size} is not supported: "

@@ -53,10 +53,7 @@ class RayWorkers:
             ]
             self.actors = actors
             infos = ray.get([a.node_info.remote() for a in actors])
-            here = ray.util.get_node_ip_address()
-            # Ranks node by node (this node first), by device within a node: a stage's
-            # tensor-parallel ranks share a node when the cluster allows it.
-            order = sorted(range(world_size), key=lambda i: (infos[i]["ip"] != here, infos[i]["ip"], infos[i]["gpu_ids"], i))
+            order = rank_order(infos, ray.util.get_node_ip_address())
             self.actors = [actors[i] for i in order]
             self.infos = [infos[i] for i in order]
             for rank, info in enumerate(self.infos):
@@ -113,6 +110,19 @@ class RayWorkers:
         if self.started_cluster:
             logger.info("ray executor: stopping the local Ray cluster it started")
             ray.shutdown()
+
+
+def rank_order(infos: list[dict], here: str) -> list[int]:
+    """The actors (indexes into ``infos``) in rank order: node by node (``here`` first), by device
+    number within a node (2 before 10), so that a stage's tensor-parallel ranks share a node
+    when the cluster allows it."""
+
+    def device_numbers(gpu_ids: list[str]) -> list[tuple[int, str]]:
+        return [(int(g), "") if g.isdigit() else (-1, g) for g in gpu_ids]  # ids that are no number: as text
+
+    return sorted(
+        range(len(infos)), key=lambda i: (infos[i]["ip"] != here, infos[i]["ip"], device_numbers(infos[i]["gpu_ids"]), i)
+    )
 
 
 def ended(ref) -> str:
