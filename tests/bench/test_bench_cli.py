@@ -113,3 +113,19 @@ def test_structured_throughput_reaches_the_engine_with_async_scheduling(tmp_path
     assert len(result["lengths"]) == 8 and 0 <= result["valid"] <= 8
     # Both runs queue steps ahead with --async-scheduling (constrained ones too), none without.
     assert (result["num_steps_ahead"] > 0) == async_scheduling
+
+
+@pytest.mark.parametrize("args, message", [
+    (["throughput", "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["throughput", "--input-len", "many"], "a length range is 'MIN,MAX' (or one number) with 0 < MIN <= MAX, got 'many'"),
+    (["throughput", "--backends", ","], "--backends names none; choose from runtime, hf, hf-batch"),
+    (["latency", "--input-len", "0"], "--input-len must be >= 1, got 0"),
+    (["latency", "--num-iters", "0"], "--num-iters must be >= 1, got 0"),
+    (["latency", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+])
+def test_bad_workload_numbers_fail_before_the_model_loads(model, plugin_manager, capsys, args, message):
+    from runtime.cli.main import main
+
+    assert main(["bench", *args, "--model", model, *COMMON]) == 2
+    err = capsys.readouterr().err
+    assert f"runtime: error: {message}" in err and "Loading" not in err, err

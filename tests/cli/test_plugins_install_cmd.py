@@ -88,3 +88,12 @@ def test_run_pip_reports_the_exit_code(capfd):
     rc = plugins_install.run_pip([sys.executable, "-c", "import sys; sys.exit(3)"])
     assert rc == 3
     assert "pip failed with exit code 3" in capfd.readouterr().err
+
+
+def test_uninstall_refuses_a_package_that_is_no_plugin(plugin_manager, capsys, monkeypatch):
+    """`runtime plugins uninstall pytest` must not hand pytest (or torch...) to pip."""
+    monkeypatch.setattr(plugins_install, "run_pip", lambda cmd: pytest.fail(f"pip ran: {cmd}"))
+    assert cli.main(["plugins", "uninstall", "pytest", "-y"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to uninstall 'pytest': it is not a runtime plugin" in err and "runtime-plugin-cpu" in err
+    assert plugins_install.resolve_uninstall_name("Runtime_Plugin.CPU") == "Runtime_Plugin.CPU"  # pip's spelling rules

@@ -119,6 +119,18 @@ def test_rendered_files(project):
             assert "cookiecutter" not in path.read_text(), path
 
 
+def test_generated_tests_get_the_cpu_platform_they_run_on(project):
+    """The conformance tests pin the `cpu` platform, which only runtime-plugin-cpu registers: the
+    `test` extra and the generated CI must install it, or a fresh environment fails them all."""
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert "runtime-plugin-cpu" in pyproject["project"]["optional-dependencies"]["test"]
+    assert 'ConformanceTarget("cpu"' in (project / "tests" / "test_conformance.py").read_text()
+    workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
+    job = workflow["jobs"]["test"]
+    install = next(step["run"] for step in job["steps"] if "RUNTIME_REQUIREMENT" in step.get("run", ""))
+    assert job["env"]["RUNTIME_CPU_REQUIREMENT"] == "runtime-plugin-cpu" and "$RUNTIME_CPU_REQUIREMENT" in install
+
+
 def test_prompts_for_name_and_description(tmp_path):
     answers = 'Fancy Attn\nA "fancy" \\ backend\n'
     result = subprocess.run(

@@ -196,8 +196,13 @@ def main(args) -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    if not backends:
+        raise ValueError(f"--backends names none; choose from {', '.join(BACKENDS)}")
     if args.output_len < 2:
         raise ValueError(f"--output-len must be at least 2 to measure time per output token, got {args.output_len}")
+    for flag, least in (("input_len", 1), ("batch_size", 1), ("num_iters", 1), ("num_iters_warmup", 0)):
+        if getattr(args, flag) < least:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(args, flag)}")
     if not args.model:
         from runtime.cli.serve import default_model_path
 

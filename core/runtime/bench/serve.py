@@ -63,11 +63,14 @@ def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_
 def sharegpt_requests(path: str, tokenizer, num: int, fixed_output_len: int | None, seed: int) -> list[BenchRequest]:
     """First human turn as the prompt, the reply's token count as the output length."""
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
     pairs = [
         (d["conversations"][0]["value"], d["conversations"][1]["value"])
-        for d in data
-        if len(d.get("conversations", [])) >= 2
+        for d in (data if isinstance(data, list) else ())
+        if isinstance(d, dict) and len(d.get("conversations", [])) >= 2
     ]
     if not pairs:
         raise ValueError(f"{path} holds no ShareGPT conversations (a list of {{'conversations': [human, gpt, ...]}})")
@@ -81,6 +84,8 @@ def sharegpt_requests(path: str, tokenizer, num: int, fixed_output_len: int | No
         requests.append(BenchRequest(prompt, prompt_len, output_len))
         if len(requests) == num:
             break
+    if not requests:
+        raise ValueError(f"{path} holds no conversation long enough to measure (prompt and reply of 4+ tokens)")
     return requests
 
 
@@ -171,14 +176,19 @@ async def run_requests(args, requests: list[BenchRequest], tokenizer) -> tuple[l
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(None), limits=limits) as http:
         warm = await send_request(http, url, {**request_body(args, requests[0], tokenizer), "max_tokens": 2}, 0)
         if not warm.success:
-            raise RuntimeError(f"the test request failed: {warm.error}")
+            raise ValueError(f"the test request to {url} failed: {warm.error}")
+        progress = None if args.disable_tqdm else _progress_bar(len(requests))
 
         async def limited(request: BenchRequest) -> RequestResult:
             body = request_body(args, request, tokenizer)
             if semaphore is None:
-                return await send_request(http, url, body, request.prompt_len)
-            async with semaphore:
-                return await send_request(http, url, body, request.prompt_len)
+                result = await send_request(http, url, body, request.prompt_len)
+            else:
+                async with semaphore:
+                    result = await send_request(http, url, body, request.prompt_len)
+            if progress is not None:
+                progress.update(1)
+            return result
 
         tasks = []
         start = time.perf_counter()
@@ -189,7 +199,17 @@ async def run_requests(args, requests: list[BenchRequest], tokenizer) -> tuple[l
                 theta = 1.0 / (args.request_rate * args.burstiness)
                 await asyncio.sleep(float(rng.gamma(args.burstiness, theta)))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        if progress is not None:
+            progress.close()
+        return results, duration
+
+
+def _progress_bar(total: int):
+    """Requests done so far, on stderr (vLLM's bench serve shows the same; --disable-tqdm hides it)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")
 
 
 # ------------------------------------------------------------------- report
@@ -282,15 +302,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar of the requests done")
     parser.add_argument("--save-result", action="store_true", help="write the results as JSON")
     parser.add_argument("--result-filename", default=None, help="JSON file for --save-result")
+
+
+def check_arguments(args) -> None:
+    """Bad numbers and missing files fail here, before the server is asked anything; ValueError naming the value."""
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.random_input_len < 1 or args.random_output_len < 1:
+        raise ValueError(f"--random-input-len and --random-output-len must be >= 1, "
+                         f"got {args.random_input_len} and {args.random_output_len}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        raise ValueError(f"request rate and burstiness must be > 0, got {args.request_rate} and {args.burstiness}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.dataset_name == "random-ids":
+        from runtime.bench.throughput import parse_range
+
+        parse_range(args.input_len), parse_range(args.output_len)
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path")
+        if not os.path.isfile(args.dataset_path):
+            raise ValueError(f"--dataset-path {args.dataset_path!r} is not a file")
+    try:
+        args.percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles must be comma-separated numbers, got {args.metric_percentiles!r}") from None
+    if not all(0 <= p <= 100 for p in args.percentiles):
+        raise ValueError(f"--metric-percentiles must be in 0..100, got {args.metric_percentiles!r}")
 
 
 def _served_model(args) -> tuple[str, str | None]:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    models = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30).json()["data"]
+    url = args.base_url.rstrip("/") + "/v1/models"
+    try:
+        response = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"no server answers at {args.base_url} ({type(exc).__name__}: {exc}); "
+                         "start one with `runtime serve` or pass --base-url / --host / --port") from None
+    if response.status_code != 200:
+        raise ValueError(f"GET {url} answered HTTP {response.status_code}: {response.text[:200]}")
+    try:
+        models = response.json()["data"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"GET {url} did not answer an OpenAI model list: {response.text[:200]!r}") from None
     if not models:
         raise ValueError(f"the server at {args.base_url} serves no model")
     return models[0]["id"], models[0].get("root")
@@ -304,8 +366,7 @@ def _load_tokenizer(path: str):
 
 def main(args) -> int:
     args.base_url = args.base_url or f"http://{args.host}:{args.port}"
-    if args.request_rate <= 0 or args.burstiness <= 0:
-        raise ValueError(f"request rate and burstiness must be > 0, got {args.request_rate} and {args.burstiness}")
+    check_arguments(args)
     name, args.model_root = _served_model(args)
     args.model = args.model or name
     tokenizer = None
@@ -314,13 +375,11 @@ def main(args) -> int:
     if args.dataset_name == "random-ids":
         requests = random_id_requests(args)
     elif args.dataset_name == "sharegpt":
-        if not args.dataset_path:
-            raise ValueError("--dataset-name sharegpt needs --dataset-path")
         requests = sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len, args.seed)
     else:
         requests = random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                    args.random_range_ratio, args.seed)
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
+    percentiles = args.percentiles
     print(f"{len(requests)} requests to {args.base_url} ({args.endpoint}), rate {args.request_rate}, "
           f"max concurrency {args.max_concurrency}")
     results, duration = asyncio.run(run_requests(args, requests, tokenizer))

@@ -42,7 +42,10 @@ class Result:
 
 def parse_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(",")
-    lo_i, hi_i = int(lo), int(hi or lo)
+    try:
+        lo_i, hi_i = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"a length range is 'MIN,MAX' (or one number) with 0 < MIN <= MAX, got {text!r}") from None
     if not 0 < lo_i <= hi_i:
         raise ValueError(f"a length range is 'MIN,MAX' with 0 < MIN <= MAX, got {text!r}")
     return lo_i, hi_i
@@ -147,12 +150,18 @@ def main(args) -> int:
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    if not backends:
+        raise ValueError(f"--backends names none; choose from {', '.join(BACKENDS)}")
+    for flag in ("num_prompts", "hf_batch_size", "hf_max_batch_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    input_range, output_range = parse_range(args.input_len), parse_range(args.output_len)
     if not args.model:
         from runtime.cli.serve import default_model_path
 
         args.model = default_model_path()
     vocab = int(resolve_model(args.model).hf_config.vocab_size)
-    workload = make_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab, args.seed)
+    workload = make_workload(args.num_prompts, input_range, output_range, vocab, args.seed)
     peer_workload = workload
     if args.hf_num_prompts is not None:
         n = args.hf_num_prompts

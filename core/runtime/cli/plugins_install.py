@@ -7,6 +7,7 @@ next to the core that will load it, whatever ``pip`` is first on ``PATH``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -97,14 +98,24 @@ def resolve_uninstall_name(name: str) -> str:
     plugins = plugin_distributions()
     if name in plugins:
         name = plugins[name]
-    if name.lower().replace("_", "-") == CORE_DISTRIBUTION:
+    if _canonical(name) == CORE_DISTRIBUTION:
         raise ValueError(f"refusing to uninstall the core package {name!r}; use pip directly if you mean it")
+    installed = ", ".join(sorted(set(plugins.values()))) or "none"
     try:
         metadata.distribution(name)
     except metadata.PackageNotFoundError:
-        installed = ", ".join(sorted(set(plugins.values()))) or "none"
         raise ValueError(f"{name!r} is not installed; installed plugins: {installed}") from None
+    if _canonical(name) not in {_canonical(dist) for dist in plugins.values()}:
+        raise ValueError(
+            f"refusing to uninstall {name!r}: it is not a runtime plugin (no entry point in the group "
+            f"{ENTRY_POINT_GROUP!r}); installed plugins: {installed}; use pip directly if you mean it"
+        )
     return name
+
+
+def _canonical(name: str) -> str:
+    """A distribution name as pip compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def run_uninstall(args) -> int:
