@@ -142,7 +142,18 @@ class EngineArgs:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
+    def keyword_aliases(cls) -> dict[str, str]:
+        """vLLM's keyword for a field named otherwise here (its long flag alias, ``_`` for ``-``) -> the field."""
+        return {alias[2:].replace("-", "_"): f.name for f in dataclasses.fields(cls)
+                for alias in f.metadata.get("aliases", ()) if alias.startswith("--")}
+
+    @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
+        for alias, name in cls.keyword_aliases().items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise ValueError(f"{alias} and {name} name the same engine argument; give one")
+                kwargs[name] = kwargs.pop(alias)
         valid = set(cls.field_names())
         unknown = sorted(set(kwargs) - valid)
         if unknown:

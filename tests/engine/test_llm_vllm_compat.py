@@ -29,6 +29,7 @@ def llm(model_path):
     return LLM(
         model_path, dtype="float32", max_model_len=128, trust_remote_code=True, tokenizer_mode="auto",
         disable_log_stats=False, max_logprobs=3, chat_template=TEMPLATE, served_model_name=["tiny", "alias"],
+        distributed_executor_backend="uni",
     )
 
 
@@ -36,6 +37,9 @@ def test_vllm_argument_names_are_accepted(llm):
     model_config = llm.llm_engine.config.model_config
     assert model_config.served_model_names == ("tiny", "alias") and model_config.served_model_name == "tiny"
     assert llm.engine_args.trust_remote_code and llm.engine_args.tokenizer_mode == "auto"
+    assert llm.engine_args.executor == "uni"  # vLLM's keyword distributed_executor_backend
+    with pytest.raises(ValueError, match="distributed_executor_backend and executor name the same engine argument"):
+        LLM(llm.engine_args.model, distributed_executor_backend="mp", executor="uni")
 
 
 def test_generation_config_defaults_apply_when_no_sampling_params_are_given(llm):
