@@ -32,6 +32,8 @@ from runtime.speculative_config import resolve_speculative_config
 from runtime.kv_transfer import (
     OFFLOADING_CONNECTOR, PREEMPTION_MODES, kv_offload_fields, parse_transfer_config, resolve_kv_offload,
 )
+from runtime.engine_arg_checks import check_numbers as _check_numbers
+from runtime.engine_arg_checks import invalid as _fail
 from runtime.model_loader.tokenizer import TOKENIZER_MODES
 
 logger = logging.getLogger(__name__)
@@ -162,36 +164,6 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         return build_engine_config(self)
-
-
-def _fail(name: str, value, allowed: str) -> ValueError:
-    return ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _check_numbers(args: EngineArgs) -> None:
-    for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        value = getattr(args, name)
-        if not isinstance(value, int) or value < 1:
-            raise _fail(name, value, "a positive integer")
-    for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
-        value = getattr(args, name)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise _fail(name, value, "a positive integer or unset")
-    memory = args.structured_output_compile_memory_bytes
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1 << 20:
-        raise _fail("structured_output_compile_memory_bytes", memory, "an integer number of bytes, at least 1 MiB")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise _fail("gpu_memory_utilization", args.gpu_memory_utilization, "in (0, 1]")
-    timeout = args.structured_output_compile_timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise _fail("structured_output_compile_timeout", timeout, "a positive number of seconds")
-    if not isinstance(args.max_logprobs, int) or args.max_logprobs < -1:
-        raise _fail("max_logprobs", args.max_logprobs, "an integer >= 0, or -1 for no limit")
-    for f in dataclasses.fields(args):
-        choices = f.metadata.get("choices")
-        value = getattr(args, f.name)
-        if choices and value not in choices:
-            raise ValueError(f"{f.name} {value!r} is not valid; choose one of: {', '.join(choices)}")
 
 
 DEFAULT_GUIDED_BACKEND = "outlines"

@@ -1,0 +1,38 @@
+"""Range checks of the numeric engine arguments (:class:`runtime.engine_args.EngineArgs`), each error naming the
+argument, what it must be and the value it got."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def invalid(name: str, value, allowed: str) -> ValueError:
+    """The error of engine argument ``name``: what it must be, and the value it got."""
+    return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def check_numbers(args) -> None:
+    """ValueError naming the first numeric engine argument out of range, or a field outside its choices."""
+    for name in ("block_size", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise invalid(name, value, "a positive integer")
+    for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+        value = getattr(args, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise invalid(name, value, "a positive integer or unset")
+    memory = args.structured_output_compile_memory_bytes
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1 << 20:
+        raise invalid("structured_output_compile_memory_bytes", memory, "an integer number of bytes, at least 1 MiB")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise invalid("gpu_memory_utilization", args.gpu_memory_utilization, "in (0, 1]")
+    timeout = args.structured_output_compile_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise invalid("structured_output_compile_timeout", timeout, "a positive number of seconds")
+    if not isinstance(args.max_logprobs, int) or args.max_logprobs < -1:
+        raise invalid("max_logprobs", args.max_logprobs, "an integer >= 0, or -1 for no limit")
+    for f in dataclasses.fields(args):
+        choices = f.metadata.get("choices")
+        value = getattr(args, f.name)
+        if choices and value not in choices:
+            raise ValueError(f"{f.name} {value!r} is not valid; choose one of: {', '.join(choices)}")
