@@ -158,6 +158,7 @@ def _split(value: Any) -> list[str]:
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+DEFAULT_KV_PORT = 14579  # vLLM's KVTransferConfig.kv_port: a transfer connector's port when none is given
 # vLLM's top-level --kv-transfer-config keys a transfer connector reads (the offloading connector
 # reads only kv_connector_extra_config).
 TRANSFER_CONFIG_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "engine_id", "kv_connector_extra_config",

@@ -7,7 +7,6 @@ next to the core that will load it, whatever ``pip`` is first on ``PATH``.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from importlib import metadata
@@ -115,7 +114,9 @@ def resolve_uninstall_name(name: str) -> str:
 
 def _canonical(name: str) -> str:
     """A distribution name as pip compares them (PEP 503)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
+    from packaging.utils import canonicalize_name
+
+    return canonicalize_name(name)
 
 
 def run_uninstall(args) -> int:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from runtime.models.linear import Linear, MergedLinear
-from runtime.models.weights import IGNORED_SUFFIXES, KV_SCALE_SUFFIXES
+from runtime.models.weights import IGNORED_SUFFIXES, KV_SCALE_SUFFIXES, fused_target
 
 PLAIN_PARAMS = ("weight", "bias")
 
@@ -25,9 +25,7 @@ def _plain_layer(model: nn.Module, name: str) -> tuple[str, Linear, int] | None:
     """``(checkpoint prefix, layer, projection index)`` when ``name`` is a tensor of an unquantized
     linear layer (a fused one's projection ``index``), else None."""
     prefix, _, _ = name.rpartition(".")
-    parent, _, module_name = prefix.rpartition(".")
-    fused_name, shard = getattr(model, "stacked_params", {}).get(module_name, (module_name, None))
-    path = f"{parent}.{fused_name}" if parent else fused_name
+    path, shard, _ = fused_target(name, getattr(model, "stacked_params", {})) or (prefix, None, None)
     try:
         layer = model.get_submodule(path)
     except AttributeError:

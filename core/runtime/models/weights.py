@@ -46,7 +46,7 @@ def load_hf_weights(
             continue
         if _load_kv_scale(model, name, tensor):
             continue
-        fused = _fused_target(name, stacked)
+        fused = fused_target(name, stacked)
         if _load_quantized(quantized, name, fused, tensor, shards_seen, loaded):
             continue
         if fused is None:
@@ -132,7 +132,7 @@ def _load_quantized(
     return True
 
 
-def _fused_target(name: str, stacked: Mapping[str, tuple[str, str]]) -> tuple[str, str, str] | None:
+def fused_target(name: str, stacked: Mapping[str, tuple[str, str]]) -> tuple[str, str, str] | None:
     """``(fused module path, shard, param name)`` for a name of a fused projection, else None."""
     module_path, _, param_name = name.rpartition(".")
     parent, _, module_name = module_path.rpartition(".")

@@ -5,9 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from runtime.kv_transfer import check_extra_keys
-
-DEFAULT_PORT = 14579  # vLLM's default kv_port
+from runtime.kv_transfer import DEFAULT_KV_PORT, check_extra_keys
 FAILURE_MODES = ("recompute", "fail")
 EXTRA_KEYS = ("lease_s", "pull_timeout_s", "on_transfer_failure", "checksum")
 # the kv_connector_extra_config keys each connector reads (the CudaIpcConnector's copies stay on the GPUs: no checksum)
@@ -46,7 +44,7 @@ def settings_of(config) -> PDSettings:
     mode = extra.get("on_transfer_failure", "recompute")
     if mode not in FAILURE_MODES:
         raise ValueError(f"{name}: on_transfer_failure {mode!r} is not valid; choose one of: {', '.join(FAILURE_MODES)}")
-    port = int(raw.get("kv_port") or DEFAULT_PORT)
+    port = int(raw.get("kv_port") or DEFAULT_KV_PORT)
     if not 0 < port < 65535:
         raise ValueError(f"{name}: kv_port {port} is not a valid TCP port (it also uses kv_port + 1)")
     settings = PDSettings(

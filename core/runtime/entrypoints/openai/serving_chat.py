@@ -140,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
                 ]
                 content = echoed + (content or "") if echoed else content
                 message = ChatMessageOut(content=content, tool_calls=tool_calls)
-                finish_reason = _finish_reason(finish_reason, bool(calls) and request.named_tool() is None)
+                finish_reason = _finish_reason(request, finish_reason, bool(calls))
             choices.append(ChatChoice(
                 index=output.index,
                 message=message,
@@ -226,7 +226,7 @@ class OpenAIServingChat(OpenAIServing):
                 tail, last = reader.finish()
                 content = (content or "") + (tail or "") or None
                 deltas = deltas + last
-                finish_reason = _finish_reason(finish_reason, reader.num_streamed_calls > 0 and request.named_tool() is None)
+                finish_reason = _finish_reason(request, finish_reason, reader.num_streamed_calls > 0)
             tool_calls = [_delta_tool_call(d) for d in deltas] or None
         if not content and tool_calls is None and logprobs is None and finish_reason is None:
             return None
@@ -243,10 +243,10 @@ class OpenAIServingChat(OpenAIServing):
         ).model_dump()
 
 
-def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
+def _finish_reason(request: ChatCompletionRequest, finish_reason: str | None, called: bool) -> str | None:
     """OpenAI's "tool_calls" for an output that ended normally with calls the model chose to make (tool_choice
     "auto" or "required"); a named tool_choice ends with "stop", as OpenAI's API and vLLM answer."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+    return "tool_calls" if called and finish_reason == "stop" and request.named_tool() is None else finish_reason
 
 
 def _delta_tool_call(delta: ToolCallDelta) -> DeltaToolCall:

@@ -93,10 +93,8 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = CompletionLogprobs()
             tokens_end = 0  # see _stream_choice: offsets never go backwards
             if request.echo:
-                tokens_end = self._add_logprobs(logprobs, final.prompt_token_ids, final.prompt_logprobs,
-                                                request.logprobs, 0, self.tokens_as_ids(request))
-            self._add_logprobs(logprobs, output.token_ids, output.logprobs, request.logprobs,
-                               max(len(prefix), tokens_end), self.tokens_as_ids(request))
+                tokens_end = self._add_logprobs(logprobs, request, final.prompt_token_ids, final.prompt_logprobs, 0)
+            self._add_logprobs(logprobs, request, output.token_ids, output.logprobs, max(len(prefix), tokens_end))
         return CompletionChoice(
             index=prompt_index * request.n + output.index,
             text=prefix + text,
@@ -112,10 +110,10 @@ class OpenAIServingCompletion(OpenAIServing):
             return ""
         return self.tokenizer.decode(output.prompt_token_ids or [])
 
-    def _add_logprobs(self, out: CompletionLogprobs, token_ids, positions, num_top: int, offset: int,
-                      as_ids: bool = False) -> int:
-        """Append tokens (``token_id:N`` with ``as_ids``), logprobs and text offsets (from ``offset``); return the
-        offset after them."""
+    def _add_logprobs(self, out: CompletionLogprobs, request: CompletionRequest, token_ids, positions, offset: int) -> int:
+        """Append tokens (``token_id:N`` where the request or the server asks), ``request.logprobs`` top entries and
+        text offsets (from ``offset``); return the offset after them."""
+        num_top, as_ids = request.logprobs, self.tokens_as_ids(request)
         token_ids = list(token_ids or ())
         positions = list(positions or ())
         positions += [None] * (len(token_ids) - len(positions))
@@ -182,14 +180,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prefix = self._prompt_text(output)
             if request.logprobs is not None:
                 logprobs = CompletionLogprobs()
-                tokens_end = self._add_logprobs(logprobs, output.prompt_token_ids, output.prompt_logprobs,
-                                                request.logprobs, 0, self.tokens_as_ids(request))
+                tokens_end = self._add_logprobs(logprobs, request, output.prompt_token_ids, output.prompt_logprobs, 0)
             text = prefix + text
             offset = max(len(prefix), tokens_end)
         if request.logprobs is not None and completion.token_ids:
             logprobs = logprobs or CompletionLogprobs()
-            tokens_end = self._add_logprobs(logprobs, completion.token_ids, completion.logprobs, request.logprobs, offset,
-                                            self.tokens_as_ids(request))
+            tokens_end = self._add_logprobs(logprobs, request, completion.token_ids, completion.logprobs, offset)
         offsets[index] = max(offset + len(completion.text), tokens_end)
         has_ids = request.return_token_ids and completion.token_ids
         if not text and logprobs is None and completion.finish_reason is None and not has_ids:
