@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
-from runtime.kv_transfer import DEFAULT_KV_PORT, parse_transfer_config
+from runtime.kv_transfer import DEFAULT_KV_PORT
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,16 @@ def _with_own_kv_port(engine_args: EngineArgs, rank: int) -> EngineArgs:
     """Replica ``rank``'s arguments with its own ``kv_port`` (as vLLM offsets its KV side channel by the data
     parallel rank): a P/D connector of each replica binds ``kv_port`` and ``kv_port + 1``, so rank r takes
     ``kv_port + 2 r``. Its kv_transfer_params name that port, so decode instances pull from the right replica."""
-    if rank == 0 or not engine_args.kv_transfer_config:
+    raw = engine_args.kv_transfer_config
+    if rank == 0 or not raw:
         return engine_args
-    raw = parse_transfer_config(engine_args.kv_transfer_config)  # checked when the engine config was built
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            return engine_args  # reported by name when the engine config is built
+    if not isinstance(raw, dict):
+        return engine_args
     try:
         base = int(raw.get("kv_port") or DEFAULT_KV_PORT)
     except (TypeError, ValueError):
