@@ -13,6 +13,9 @@ Tensors: ``weight``, ``weight_scale``, ``input_scale`` (static), zero points (ze
 ``weight_g_idx``, is not read): ``weight_packed`` int32 [out, in / pack],
 ``weight_scale`` [out, groups], ``weight_zero_point`` int32 [out / pack, groups]
 (asymmetric), ``weight_shape`` [2]; read by :mod:`runtime_quant.wna16_linear`.
+
+Refused: a ``sparsity_config`` of another format than ``dense`` (weights stored compressed) and a
+``transform_config`` with transforms (weights rotated; the model would have to rotate too).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from runtime_quant.wna16_scheme import WNA16Scheme, check_bits, check_group_size
 
 PACKED = "pack-quantized"
 FORMATS = ("float-quantized", "int-quantized", "naive-quantized", PACKED)
+DENSE = "dense"  # the sparsity_config format of weights stored whole (the only one read here)
 LINEAR_CLASS = "Linear"  # every layer this method is asked about is a linear layer
 
 
@@ -70,6 +74,14 @@ def _dtype(group: str, args: dict[str, Any]) -> Any:
     return FP8 if kind == "float" else INT8
 
 
+def _block_structure(group: str, weights: dict[str, Any]) -> tuple[int, int]:
+    block = weights.get("block_structure")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+        raise ValueError(f"compressed-tensors config group {group!r}: block weights need block_structure "
+                         f"[rows, columns] (two positive integers), got {block!r}")
+    return tuple(block)
+
+
 def group_scheme(group: str, spec: dict[str, Any], default_format: str | None) -> W8A8Scheme | WNA16Scheme:
     """The :class:`W8A8Scheme` of one config group."""
     fmt = spec.get("format") or default_format
@@ -84,7 +96,7 @@ def group_scheme(group: str, spec: dict[str, Any], default_format: str | None) -
     strategy = weights.get("strategy")
     if weights.get("dynamic") or strategy not in ("tensor", "channel", "block"):
         raise _fail(group, f"weight strategy {strategy!r}{' (dynamic)' if weights.get('dynamic') else ''}")
-    block = tuple(weights["block_structure"]) if strategy == "block" else None
+    block = _block_structure(group, weights) if strategy == "block" else None
     if acts is None:
         return W8A8Scheme(dtype, strategy, activations=None, block_size=block)
     if _dtype(group, acts) != dtype:
@@ -129,6 +141,15 @@ class CompressedTensorsMethod:
                 "compressed-tensors reads quantized checkpoints (a quantization_config with config_groups); "
                 "to quantize a 16/32-bit checkpoint on load use --quantization fp8 or int8"
             )
+        sparsity = (quantization_config.get("sparsity_config") or {}).get("format") or DENSE
+        if sparsity != DENSE:
+            raise ValueError(
+                f"compressed-tensors sparsity_config format {sparsity!r} (sparse weights) is not supported; "
+                f"supported: {DENSE}"
+            )
+        if (quantization_config.get("transform_config") or {}).get("config_groups"):
+            raise ValueError("compressed-tensors transform_config (weights rotated by Hadamard / learned transforms that "
+                             "the model must apply at run time) is not supported; supported: checkpoints without one")
         default_format = quantization_config.get("format")
         groups = tuple(
             (tuple(spec.get("targets") or ()), group_scheme(name, spec, default_format))

@@ -110,6 +110,10 @@ class W8A8LinearMethod:
         if name not in expected:
             raise ValueError(f"is not part of {s.describe}; expected: {', '.join(expected)}")
         target, layout = self._target(layer, name, shard)
+        if tensor.dim() != 2 and (name == "weight" or (name != "input_scale" and s.weight_strategy == "block")):
+            # a matrix flattened (or stacked) into another rank holds its values in another order: refused,
+            # never reshaped into place
+            raise ValueError(f"has shape {_shape(tensor)}, expected {layout}")
         tensor = layer.rank_part(tensor, shard, *self._split_dims(name, tensor))
         if tensor.numel() != target.numel() or (tensor.dim() == 2 and _shape(tensor) != _shape(target)):
             raise ValueError(f"has shape {_shape(tensor)}, expected {layout}")

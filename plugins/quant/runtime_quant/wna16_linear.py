@@ -112,12 +112,6 @@ class WNA16LinearMethod:
         if name not in layout:
             raise ValueError(f"is not part of {s.describe}; expected: {', '.join(layout)}")
         t = layout[name]
-        whole = tensor
-        tensor = layer.rank_part(tensor, shard, t.dim if name != "g_idx" else None, t.unit, t.in_dim, t.in_unit)
-        if name == "g_idx" and tensor.shape != whole.shape:
-            raise ValueError(f"({s.describe}) orders the input rows by group (act-order), so the layer cannot be split "
-                             f"along its input over {layer.tp_size} ranks; use tensor_parallel_size 1 or a checkpoint "
-                             "without desc_act")
         param = getattr(layer, name)
         if name == "g_idx":
             target = param[shard]
@@ -125,6 +119,14 @@ class WNA16LinearMethod:
             offset = sum(sizes[:shard]) // t.unit
             target = param.narrow(t.dim, offset, sizes[shard] // t.unit)
         expected = f"{t.kind} {list(target.shape)} ({t.note})"
+        if tensor.dim() != target.dim():  # before the rank's part is cut along dimensions it may lack
+            raise ValueError(f"has shape {list(tensor.shape)}, expected {expected}")
+        whole = tensor
+        tensor = layer.rank_part(tensor, shard, t.dim if name != "g_idx" else None, t.unit, t.in_dim, t.in_unit)
+        if name == "g_idx" and tensor.shape != whole.shape:
+            raise ValueError(f"({s.describe}) orders the input rows by group (act-order), so the layer cannot be split "
+                             f"along its input over {layer.tp_size} ranks; use tensor_parallel_size 1 or a checkpoint "
+                             "without desc_act")
         if list(tensor.shape) != list(target.shape):
             raise ValueError(f"has shape {list(tensor.shape)}, expected {expected}")
         kind_ok = tensor.dtype.is_floating_point if t.kind == FLOAT else tensor.dtype in (torch.int32, torch.int64)
@@ -181,6 +183,10 @@ class WNA16LinearMethod:
                 f"{self.scheme.describe}: the projections fused into this layer have different g_idx; "
                 "fused act-order layers need one input order"
             )
+        groups = self.scheme.groups(input_size)
+        if bool(((g_idx < 0) | (g_idx >= groups)).any()):
+            raise ValueError(f"{self.scheme.describe}: g_idx holds groups from {int(g_idx.min())} to {int(g_idx.max())}; "
+                             f"expected 0 .. {groups - 1} ({input_size} input rows)")
         perm = torch.argsort(g_idx[0], stable=True)
         expected = torch.arange(input_size, device=perm.device) // self.scheme.rows_per_group(input_size)
         if not torch.equal(g_idx[0][perm], expected):

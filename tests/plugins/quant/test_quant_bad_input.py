@@ -111,6 +111,23 @@ def test_block_scales_of_the_wrong_layout(float_checkpoint, tmp_path):
         load(path)
 
 
+@pytest.mark.parametrize("shape", [[8], [2, 4, 1]], ids=["flat", "three_dims"])
+def test_block_scales_of_the_right_size_but_not_a_matrix(float_checkpoint, tmp_path, shape):
+    """A [2, 4] block-scale matrix stored flat (or with an extra dimension) is refused naming the tensor and
+    the expected shape; it was reshaped into place silently (its values in whatever order they came)."""
+    path = write_fp8_checkpoint(float_checkpoint, str(tmp_path / "block"), "dynamic", [32, 32])
+    edit_tensors(path, lambda s: s.__setitem__(f"{DOWN}.weight_scale_inv", s[f"{DOWN}.weight_scale_inv"].reshape(shape)))
+    with pytest.raises(ValueError, match=rf"'{DOWN}.weight_scale_inv' has shape \[{', '.join(map(str, shape))}\], "
+                                         r"expected float32 \[2, 4\] \(one scale per 32x32 block\)"):
+        load(path)
+
+
+def test_flattened_fp8_weight(fp8_checkpoint):
+    edit_tensors(fp8_checkpoint, lambda s: s.__setitem__(f"{DOWN}.weight", s[f"{DOWN}.weight"].flatten()))
+    with pytest.raises(ValueError, match=rf"'{DOWN}.weight' has shape \[8192\], expected float8_e4m3fn \[64, 128\]"):
+        load(fp8_checkpoint)
+
+
 def test_unsupported_settings(fp8_checkpoint):
     edit_config(fp8_checkpoint, activation_scheme="per-head")
     with pytest.raises(ValueError, match=r"activation_scheme 'per-head' is not supported; supported: static, dynamic"):

@@ -115,3 +115,15 @@ def test_layouts_that_cannot_be_split_are_refused(float_checkpoints, tmp_path):
     act_order, _ = write_gptq_checkpoint(src, str(tmp_path / "act_order"), 4, 32, act_order=True)
     with pytest.raises(Exception, match=r"(?s)g_idx.*act-order.*tensor_parallel_size 1"):
         LLM(act_order, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2)
+
+
+def test_tensor_of_the_wrong_rank_is_named_before_it_is_split(float_checkpoints, tmp_path):
+    """k_proj's [2, 32] scales stored flat: each rank's part is cut along dimension 1, which the tensor lacks;
+    the error names the tensor and the layout expected (was an IndexError, 'tuple index out of range')."""
+    from test_quant_bad_input import edit_tensors
+
+    path, _ = write_gptq_checkpoint(float_checkpoints("llama"), str(tmp_path / "gptq"), 4, 32)
+    name = "model.layers.0.self_attn.k_proj.scales"
+    edit_tensors(path, lambda s: s.__setitem__(name, s[name].flatten()))
+    with pytest.raises(Exception, match=rf"(?s)'{name}' has shape \[64\], expected float \[2, 16\] \(\[groups, out\]\)"):
+        LLM(path, dtype="float32", skip_tokenizer_init=True, tensor_parallel_size=2)

@@ -133,6 +133,24 @@ def test_act_order_g_idx_with_uneven_groups(float_checkpoint, tmp_path):
     load(path)
 
 
+@pytest.mark.parametrize("bad", [-1, 4], ids=["negative", "past_the_last_group"])
+def test_act_order_g_idx_out_of_range(float_checkpoint, tmp_path, bad):
+    """A g_idx entry outside the layer's 4 groups is named with the layer (a negative one was torch's
+    'bincount only supports 1-d non-negative integral inputs', naming nothing)."""
+    path = write_gptq_checkpoint(float_checkpoint, str(tmp_path / "act"), 4, 32, act_order=True)[0]
+
+    def corrupt(state):
+        g_idx = state[f"{DOWN}.g_idx"].clone()
+        g_idx[5] = bad
+        state[f"{DOWN}.g_idx"] = g_idx
+
+    edit_tensors(path, corrupt)
+    low, high = min(bad, 0), max(bad, 3)
+    with pytest.raises(ValueError, match=rf"{DOWN}: gptq 4-bit weights in groups of 32 \(act-order\), symmetric: g_idx "
+                                         rf"holds groups from {low} to {high}; expected 0 \.\. 3 \(128 input rows\)"):
+        load(path)
+
+
 def test_act_order_fused_projections_with_different_orders(float_checkpoint, tmp_path):
     """q, k and v share one input, so GPTQ gives them one g_idx; a layer that does not is refused."""
     path = write_gptq_checkpoint(float_checkpoint, str(tmp_path / "act"), 4, 32, act_order=True)[0]

@@ -39,6 +39,9 @@ CASES = {
     "gptq_8bit_channel": lambda src, dst: write_gptq_checkpoint(src, dst, 8, -1),
     "awq_g32": lambda src, dst: write_awq_checkpoint(src, dst, 32),
     "awq_g64": lambda src, dst: write_awq_checkpoint(src, dst, 64),
+    # groups longer than q/k/v and gate/up's 64 inputs: one (short) group, as AutoAWQ / AutoGPTQ write it
+    "awq_g128": lambda src, dst: write_awq_checkpoint(src, dst, 128),
+    "gptq_8bit_g256_act_order": lambda src, dst: write_gptq_checkpoint(src, dst, 8, 256, act_order=True),
     "ct_w4a16_g32": lambda src, dst: write_pack_quantized_checkpoint(src, dst, 4, 32, symmetric=True),
     "ct_w4a16_asym_g32": lambda src, dst: write_pack_quantized_checkpoint(src, dst, 4, 32, symmetric=False),
     "ct_w8a16_channel": lambda src, dst: write_pack_quantized_checkpoint(src, dst, 8, None, symmetric=True),
