@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 import json as _json
+import math
+import numbers
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 _SAMPLING_EPS = 1e-5
+_FLOAT32_MAX = 3.4028234663852886e38  # the sampler's logits and parameters are float32: beyond this is inf there
 
 
 class RequestOutputKind(IntEnum):
@@ -139,7 +142,17 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+            # -inf bans a token; NaN or +inf would make the row's logits NaN, and NaN logits sample any token.
+            bad_bias = next((k for k, v in self.logit_bias.items() if math.isnan(v) or v > _FLOAT32_MAX), None)
+            if bad_bias is not None:
+                raise ValueError(
+                    "logit_bias must be finite (at most 3.4e38, the largest float32) or -inf (to ban a token), "
+                    f"got {self.logit_bias[bad_bias]} for token {bad_bias}"
+                )
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -163,6 +176,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise bad(name, "a number")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise bad(name, "in [-2, 2]")
@@ -170,6 +187,10 @@ class SamplingParams:
             raise bad("repetition_penalty", "> 0")
         if not self.temperature >= 0.0:
             raise bad("temperature", ">= 0")
+        # An infinite temperature or penalty turns -inf and 0 logits into NaN, and NaN logits sample any token.
+        for name in ("repetition_penalty", "temperature"):
+            if getattr(self, name) > _FLOAT32_MAX:
+                raise bad(name, "finite (at most 3.4e38, the largest float32)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:

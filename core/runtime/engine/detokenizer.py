@@ -26,22 +26,24 @@ _REPLACEMENT_CHAR = "\ufffd"
 def find_stop_string(
     text: str, num_new_chars: int, search_floor: int, stop: list[str], include_stop_str_in_output: bool
 ) -> tuple[str, int] | None:
-    """Find the earliest stop string that ends inside the last ``num_new_chars`` of ``text``.
+    """Find the stop string completed first (the one that ends earliest; of those, the one that
+    starts earliest) among those that end inside the last ``num_new_chars`` of ``text``: the
+    text stops where the first stop string is complete, even when one token brings several.
 
     Matches starting before ``search_floor`` are ignored. Returns the stop
     string and the length ``text`` is truncated to (before the stop string,
     or after it when ``include_stop_str_in_output``), or None.
     """
-    best: tuple[int, str] | None = None
+    best: tuple[int, int, str] | None = None
     for stop_str in stop:
         start = max(search_floor, len(text) - num_new_chars - len(stop_str) + 1, 0)
         index = text.find(stop_str, start)
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, stop_str)
+        if index != -1 and (best is None or (index + len(stop_str), index) < best[:2]):
+            best = (index + len(stop_str), index, stop_str)
     if best is None:
         return None
-    index, stop_str = best
-    return stop_str, index + len(stop_str) if include_stop_str_in_output else index
+    end, index, stop_str = best
+    return stop_str, end if include_stop_str_in_output else index
 
 
 class BaseDetokenizer:
