@@ -12,6 +12,7 @@ from torch import nn
 
 from runtime.config import LOAD_FORMATS
 from runtime.model_loader.resolve import ResolvedModel
+from runtime.models.linear import MergedLinear
 from runtime.models.quantize import (
     checkpoint_prefixes,
     process_quantized,
@@ -152,10 +153,27 @@ def _check_all_loaded(model: nn.Module, loaded: set[str], source: str) -> None:
     missing = sorted(name for name in params if name not in loaded)
     if missing:
         quantized = tuple(f"{path}." for path in quantized_layers(model))
-        # A quantized layer's tensors are named with their expected layout (dtype, shape).
+        # A quantized layer's tensors are named with their expected layout (dtype, shape); a plain
+        # fused one's with the checkpoint tensors that did not arrive.
         missing = [
-            f"{n} ({str(params[n].dtype).removeprefix('torch.')} {list(params[n].shape)})" if n.startswith(quantized) else n
+            f"{n} ({str(params[n].dtype).removeprefix('torch.')} {list(params[n].shape)})" if n.startswith(quantized)
+            else _with_missing_projections(model, n, loaded)
             for n in missing
         ]
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {source!r} lacks weights for {type(model).__name__}: {shown}")
+
+
+def _with_missing_projections(model: nn.Module, name: str, loaded: set[str]) -> str:
+    """``name``, followed by the checkpoint tensors it lacks where it is a fused projection's
+    parameter (``...qkv_proj.weight (no ...v_proj.weight)``)."""
+    module_path, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_path)
+    if not isinstance(module, MergedLinear):
+        return name
+    try:
+        prefixes = checkpoint_prefixes(module_path, module, getattr(model, "stacked_params", {}))
+    except ValueError:  # a model without checkpoint names for its projections
+        return name
+    absent = [f"{prefix}.{param_name}" for prefix in prefixes if f"{prefix}.{param_name}" not in loaded]
+    return f"{name} (no {', '.join(absent)})" if absent else name

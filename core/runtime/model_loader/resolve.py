@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import glob
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,7 @@ def _cached_gguf_config(gguf_file: str):
     try:
         with shared_gguf_readers():
             config = AutoConfig.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
-    except (ValueError, KeyError, OSError) as exc:
+    except (ValueError, KeyError, OSError, struct.error) as exc:  # struct.error: a file cut short in its header
         raise ValueError(f"could not read the config of GGUF file {gguf_file!r}: {exc}") from exc
     # A GGUF of a multimodal model (Gemma 3) carries only the language model.
     return config.get_text_config() if hasattr(config, "get_text_config") else config

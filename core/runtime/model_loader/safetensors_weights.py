@@ -22,9 +22,7 @@ def safetensors_files(folder: str) -> list[str]:
     """The weight files of ``folder``: those of the index file when present, else all ``*.safetensors``."""
     index = os.path.join(folder, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
+        return _indexed_files(folder, index)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if files:
         return files
@@ -40,6 +38,22 @@ def safetensors_files(folder: str) -> list[str]:
     raise ValueError(
         f"no weights found in {folder!r}: expected *.safetensors files (or use load_format='dummy' for random weights)"
     )
+
+
+def _indexed_files(folder: str, index: str) -> list[str]:
+    """The files an index's ``weight_map`` names; a ValueError naming the index when it is broken
+    or names a file the folder lacks."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{index!r} is not a safetensors index (a JSON object with a \"weight_map\" of tensor "
+                         f"name -> file name): {type(exc).__name__}: {exc}") from None
+    missing = [name for name in names if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+        raise ValueError(f"{index!r} names weight files that {folder!r} lacks: {', '.join(missing)}")
+    return [os.path.join(folder, name) for name in names]
 
 
 SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

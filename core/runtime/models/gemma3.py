@@ -4,7 +4,8 @@ Differences from Llama: embeddings scaled by ``sqrt(hidden_size)``, Gemma norms
 (``1 + weight``) before and after both attention and MLP, per-head q/k norms, a
 ``gelu_pytorch_tanh`` MLP, attention scaled by ``query_pre_attn_scalar ** -0.5``,
 sliding-window layers mixed with global ones (each with its own RoPE theta), and
-optional soft-capping of attention scores and final logits.
+optional soft-capping of the final logits (``attn_logit_softcapping`` is not used, as in
+transformers).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         bias = bool(getattr(config, "attention_bias", False))
+        # No soft-cap of attention scores: Gemma 3's config carries ``attn_logit_softcapping``
+        # (from Gemma 2), but transformers' and Google's Gemma 3 never apply it.
         self.self_attn = LlamaAttention(
             config,
             layer_idx,
@@ -43,7 +46,6 @@ class Gemma3DecoderLayer(nn.Module):
             qk_norm=GemmaRMSNorm,
             scale=config.query_pre_attn_scalar**-0.5,
             sliding_window=config.sliding_window if layer_type == SLIDING else None,
-            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
         )
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         self.mlp = MLP(config.hidden_size, config.intermediate_size, activation)

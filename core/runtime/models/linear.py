@@ -226,9 +226,7 @@ class MergedLinear(Linear):
         num_parts = self.tp_size // self.replicas[shard]
         expected = (size * num_parts, *target.shape[1:])
         if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"checkpoint shard {shard!r} of {param_name} has shape {tuple(tensor.shape)}, expected {expected}"
-            )
+            raise ValueError(f"has shape {tuple(tensor.shape)}, expected {expected}")
         target.copy_(tensor.narrow(0, self.shard_index[shard] * size, size))
 
     def rank_part(self, tensor: torch.Tensor, shard: int | None = None, out_dim: int | None = None, out_unit: int = 1,

@@ -27,7 +27,8 @@ def load_hf_weights(
     stacked: Mapping[str, tuple[str, str]],
     tie_word_embeddings: bool,
 ) -> set[str]:
-    """Load ``(name, tensor)`` pairs; return the model parameter names fully loaded.
+    """Load ``(name, tensor)`` pairs; return the model parameter names fully loaded, and the
+    checkpoint names of the fused projections' tensors that arrived (``...q_proj.weight``).
 
     A fused parameter counts as loaded once all its shards arrived. With tied word
     embeddings a checkpoint's ``lm_head.weight`` (if any) is skipped. KV cache scales
@@ -54,11 +55,17 @@ def load_hf_weights(
             loaded.add(name)
             continue
         module_path, shard, param_name = fused
+        target = f"{module_path}.{param_name}"
+        if target not in params:  # a layer the config lacks, a bias the layer has not ...
+            raise _no_parameter(model, name)
         module = model.get_submodule(module_path)
         assert isinstance(module, MergedLinear), f"{module_path} is not a MergedLinear"
-        module.load_shard(param_name, shard, tensor)
-        target = f"{module_path}.{param_name}"
+        try:
+            module.load_shard(param_name, shard, tensor)
+        except ValueError as exc:  # the layer gives the expected shape; name the tensor
+            raise ValueError(f"checkpoint tensor {name!r} {exc}") from None
         shards_seen.setdefault(target, set()).add(shard)
+        loaded.add(name)
         if shards_seen[target] == set(module.shard_offsets):
             loaded.add(target)
     return loaded
@@ -146,10 +153,7 @@ def _copy_param(model: nn.Module, params: dict[str, nn.Parameter], name: str, te
     """Copy a whole checkpoint tensor in; a layer with ``load_param`` takes its rank's part of it."""
     param = params.get(name)
     if param is None:
-        raise ValueError(
-            f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__} "
-            f"(is the checkpoint for another architecture?)"
-        )
+        raise _no_parameter(model, name)
     module_path, _, param_name = name.rpartition(".")
     load_param = getattr(model.get_submodule(module_path), "load_param", None)
     if load_param is None:
@@ -161,3 +165,10 @@ def _copy_param(model: nn.Module, params: dict[str, nn.Parameter], name: str, te
         load_param(param_name, tensor)
     except ValueError as exc:  # the layer gives the expected (whole) shape; name the tensor
         raise ValueError(f"checkpoint tensor {name!r} {exc}") from None
+
+
+def _no_parameter(model: nn.Module, name: str) -> ValueError:
+    return ValueError(
+        f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__} "
+        f"(is the checkpoint for another architecture?)"
+    )
