@@ -174,6 +174,22 @@ def test_bad_kv_transfer_params_are_a_400_naming_the_field(pd):
     assert completion(proxy.client()) == completion(prefill.client())
 
 
+def test_a_request_the_decode_instance_refuses_releases_its_lease_at_once(pd):
+    """stream_options without stream passes the prefill instance (the proxy sends it neither) and is a 400 on the
+    decode instance, which never pulls: the proxy has the prefill instance release the lease (its blocks stayed
+    held until the lease expired)."""
+    import openai
+
+    prefill, _, proxy = pd
+    expired = "expired before a decode instance pulled it"
+    assert wait_for(lambda: prefill.metric(USAGE) == 0.0, LEASE_S + 5)  # earlier tests' leases have ended
+    num_expired = prefill.log().count(expired)
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        completion(proxy.client(), prompt=PROMPT + " refused", stream_options={"include_usage": True})
+    assert wait_for(lambda: prefill.metric(USAGE) == 0.0, LEASE_S + 5)
+    assert prefill.log().count(expired) == num_expired, prefill.log()
+
+
 def test_a_dead_prefill_instance_makes_the_decode_instance_recompute(pd):
     prefill, decode, _ = pd
     prompt = "Lost in transfer: " + " ".join(f"y{i}" for i in range(40))

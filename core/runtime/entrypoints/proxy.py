@@ -7,12 +7,19 @@ request, which goes to a decode instance and is answered from there, streamed or
 are picked by load (the fewest requests in flight from this proxy) or in turn (``--routing``).
 Requests that cannot be split (``n > 1``, several prompts) go to a decode instance alone, which
 then computes the prompt itself.
+
+A prefill instance that does not answer within ``--prefill-timeout`` seconds fails the request
+with a 504. When the decode instance refuses a request (any status but 200) or cannot be
+reached after its prefill ran, the proxy asks the prefill instance to free the leased blocks
+(``POST /kv_transfer/release``, which a KV-transfer plugin serves) rather than leave them held
+until the lease expires.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 
 import anyio
@@ -23,6 +30,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0
+PREFILL_TIMEOUT_S = 300.0  # --prefill-timeout: the longest wait for a prefill instance's answer
+RELEASE_TIMEOUT_S = 5.0
+RELEASE_PATH = "/kv_transfer/release"  # a KV-transfer plugin's route on the prefill instance
 _FORWARDED_HEADERS = ("authorization", "x-request-id")
 
 
@@ -68,9 +78,25 @@ class RelayResponse(StreamingResponse):
     ``release`` (giving the instance back) runs, once."""
 
     def __init__(self, upstream: httpx.Response, release):
-        super().__init__(upstream.aiter_raw(), media_type="text/event-stream")
+        super().__init__(self.relay(upstream), media_type="text/event-stream")
         self.upstream = upstream
         self.release = release
+
+    @staticmethod
+    async def relay(upstream: httpx.Response):
+        """The upstream's bytes; if it breaks off, a last event with the error in OpenAI's shape (as a
+        server reports a stream that fails after its status line), rather than a cut connection."""
+        ends_event = True  # whether the bytes so far end on an event's boundary
+        try:
+            async for chunk in upstream.aiter_raw():
+                ends_event = chunk.endswith(b"\n\n")
+                yield chunk
+        except httpx.HTTPError as exc:
+            logger.warning("a decode instance's stream broke off: %r", exc)
+            from runtime.entrypoints.openai.errors import OpenAIError
+
+            body = OpenAIError(f"the decode instance's stream broke off ({type(exc).__name__}: {exc})", 502).body()
+            yield (b"" if ends_event else b"\n\n") + b"data: " + json.dumps(body).encode() + b"\n\n"
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -102,7 +128,10 @@ def error(status: int, message: str) -> JSONResponse:
     return JSONResponse(OpenAIError(message, status).body(), status_code=status)
 
 
-def build_app(backends: Backends) -> FastAPI:
+def build_app(backends: Backends, prefill_timeout: float = PREFILL_TIMEOUT_S) -> FastAPI:
+    if not prefill_timeout > 0:
+        raise ValueError(f"--prefill-timeout must be > 0 seconds, got {prefill_timeout}")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -111,6 +140,7 @@ def build_app(backends: Backends) -> FastAPI:
 
     app = FastAPI(title="runtime proxy", lifespan=lifespan)
     timeout = httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)
+    prefill_timeouts = httpx.Timeout(prefill_timeout, connect=CONNECT_TIMEOUT_S)
     app.state.client = None
 
     def client() -> httpx.AsyncClient:
@@ -135,23 +165,37 @@ def build_app(backends: Backends) -> FastAPI:
 
     async def forward(request: Request, path: str, body: dict):
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
+        lease = None  # (prefill instance, its kv_transfer_params): blocks it holds for this request
         if can_split(body) and body.get("kv_transfer_params") is None:
             url = backends.take("prefill")
             try:
-                prefill = await client().post(url + path, json=prefill_body(body), headers=headers)
+                prefill = await client().post(url + path, json=prefill_body(body), headers=headers, timeout=prefill_timeouts)
+            except httpx.TimeoutException as exc:
+                if isinstance(exc, httpx.ConnectTimeout):
+                    raise
+                logger.warning("the prefill instance %s did not answer %s within %g s", url, path, prefill_timeout)
+                return error(504, f"the prefill instance did not answer within {prefill_timeout:g} s (--prefill-timeout)")
             finally:
                 backends.give_back("prefill", url)
             if prefill.status_code != 200:
                 return Response(prefill.content, prefill.status_code, media_type="application/json")
-            body = {**body, "kv_transfer_params": prefill.json().get("kv_transfer_params")}
+            params = prefill.json().get("kv_transfer_params")
+            lease = (url, params) if isinstance(params, dict) and params.get("remote_block_ids") else None
+            body = {**body, "kv_transfer_params": params}
         url = backends.take("decode")
         relaying = False  # from here the stream's end gives the instance back
         try:
             upstream = client().build_request("POST", url + path, json=body, headers=headers)
-            response = await client().send(upstream, stream=True)
+            try:
+                response = await client().send(upstream, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout):  # the request never reached the decode instance
+                await release(lease)
+                raise
             if not body.get("stream") or response.status_code != 200:
                 content = await response.aread()
                 await response.aclose()
+                if response.status_code != 200:
+                    await release(lease)
                 return Response(content, response.status_code, media_type=response.headers.get("content-type"))
             relaying = True
         finally:
@@ -159,6 +203,19 @@ def build_app(backends: Backends) -> FastAPI:
                 backends.give_back("decode", url)
 
         return RelayResponse(response, lambda: backends.give_back("decode", url))
+
+    async def release(lease) -> None:
+        """Ask the prefill instance to free the blocks it leased for a request the decode instance
+        will not pull (best effort: unanswered, the lease expires as it would have)."""
+        if lease is None:
+            return
+        url, params = lease
+        try:
+            answer = await client().post(url + RELEASE_PATH, json={"kv_transfer_params": params}, timeout=RELEASE_TIMEOUT_S)
+            if answer.status_code != 200:
+                logger.warning("the prefill instance %s did not release a lease: %s %s", url, answer.status_code, answer.text[:200])
+        except httpx.HTTPError as exc:
+            logger.warning("could not ask the prefill instance %s to release a lease: %r", url, exc)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -190,9 +247,10 @@ def build_app(backends: Backends) -> FastAPI:
     return app
 
 
-def run_proxy(prefill: list[str], decode: list[str], host: str, port: int, routing: str = "least_requests") -> None:
+def run_proxy(prefill: list[str], decode: list[str], host: str, port: int, routing: str = "least_requests",
+              prefill_timeout: float = PREFILL_TIMEOUT_S) -> None:
     import uvicorn
 
-    app = build_app(Backends(prefill, decode, routing))
+    app = build_app(Backends(prefill, decode, routing), prefill_timeout)
     logger.info("proxy on %s:%d (%s): prefill %s, decode %s", host, port, routing, ", ".join(prefill), ", ".join(decode))
     uvicorn.run(app, host=host, port=port, log_level="warning")

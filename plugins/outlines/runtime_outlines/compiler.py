@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from runtime.structured_output import GuidedKind
 from runtime_outlines.numbers import bounded_number_regex, replace_subschemas, subschema_depth
 from runtime_outlines.schema_features import check_supported, format_regex, pattern_schema
+from runtime_outlines.schema_refs import check_not_recursive
 
 # Whitespace allowed between JSON tokens: at most one space or newline. An unbounded pattern
 # (``[ \n\t]*``) lets small models emit whitespace forever, and pretty-printing indentation
@@ -207,6 +208,7 @@ class SpecCompiler:
                 f"{MAX_SCHEMA_DEPTH} (its automaton grows exponentially with nesting)"
             )
         check_supported(schema)
+        check_not_recursive(schema)
         if _is_generic_object(schema):
             return json_object_regex(self.whitespace_pattern)  # outlines-core's generic object is huge
         generic_object = json_object_regex(self.whitespace_pattern, NESTED_JSON_OBJECT_DEPTH)

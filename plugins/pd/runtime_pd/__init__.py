@@ -51,3 +51,10 @@ def register_kv_connectors(register):
 
     register(CONNECTOR_NAME, tcp)
     register(CUDA_IPC_CONNECTOR_NAME, cuda_ipc)
+
+
+@hookimpl
+def register_routes(app):
+    from runtime_pd.routes import add_release_route
+
+    add_release_route(app)
