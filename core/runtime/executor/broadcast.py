@@ -97,7 +97,9 @@ class BroadcastExecutor:
         self.step_ranks = list(range(self.world_size)) if config.cache_config.kv_connector else [self.output_rank]
         self._seq = 0
         self._results: dict[tuple[int, int], Any] = {}
-        self._failed: set[int] = set()  # calls already reported as failed (their other ranks' errors are dropped)
+        # Calls given up (failed, timed out or interrupted): their later replies, results or
+        # errors, are dropped, never kept nor taken for another call's.
+        self._failed: set[int] = set()
         self.workers: WorkerGroup | None = None
         self.worker_pids: list[int] = []
 
@@ -152,7 +154,19 @@ class BroadcastExecutor:
 
     def _wait(self, seq: int, ranks, what: str, timeout_s: float | None = None) -> list:
         """The replies of ``ranks`` to call ``seq``, watching the workers while waiting."""
-        ranks = list(ranks)
+        try:
+            return self._collect(seq, list(ranks), what, timeout_s)
+        except BaseException:
+            self._give_up(seq)
+            raise
+
+    def _give_up(self, seq: int) -> None:
+        """Drop call ``seq``'s replies: those kept so far and any that come later."""
+        self._failed.add(seq)
+        for rank in range(self.world_size):
+            self._results.pop((seq, rank), None)
+
+    def _collect(self, seq: int, ranks: list[int], what: str, timeout_s: float | None) -> list:
         sock = self.workers.socket.sock
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while any((seq, rank) not in self._results for rank in ranks):
@@ -161,7 +175,7 @@ class BroadcastExecutor:
                     _, data = sock.recv_multipart()
                     reply_seq, rank, ok, payload = pickle.loads(data)
                     if not ok and reply_seq not in self._failed:
-                        self._failed.add(reply_seq)
+                        self._give_up(reply_seq)
                         self._fail(f"worker rank {rank} failed in {what if reply_seq == seq else 'an earlier call'}:\n{payload}")
                     if ok and reply_seq not in self._failed:
                         self._results[(reply_seq, rank)] = payload
@@ -169,7 +183,7 @@ class BroadcastExecutor:
             if dead is not None:
                 self._fail(dead, grace_s=0)
             if deadline is not None and time.monotonic() > deadline:
-                self._fail(f"the workers did not answer {what} within {timeout_s:.0f} s", grace_s=0)
+                self._fail(f"the workers did not answer {what} within {timeout_s:g} s", grace_s=0)
         return [self._results.pop((seq, rank)) for rank in ranks]
 
     def _fail(self, message: str, grace_s: float = DEATH_GRACE_S) -> None:

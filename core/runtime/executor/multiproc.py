@@ -43,11 +43,18 @@ def check_parallel_support(config: EngineConfig) -> None:
     parallel = config.parallel_config
     resolved = getattr(config.model_config, "resolved", None)  # a model's shape: its heads and layers
     check_parallel_layout(getattr(resolved, "hf_config", None), parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-    if parallel.pipeline_parallel_size > 1 and config.plugin_options.get("speculative_config"):
+    spec = config.plugin_options.get("speculative_config")
+    if parallel.pipeline_parallel_size > 1 and spec:
         raise ValueError(
             f"speculative decoding with pipeline_parallel_size {parallel.pipeline_parallel_size} is not supported: "
             "the stages hand over one sampled token per request; use tensor_parallel_size instead"
         )
+    if spec:
+        # The proposer's factory checks its own checkpoint (vocabulary, heads split across the
+        # ranks): here, before any worker starts, rather than inside every worker.
+        from runtime.plugins import get_registry
+
+        get_registry("proposer").create(spec["method"], config)
     quantization = config.model_config.quantization
     if quantization and parallel.tensor_parallel_size > 1 and not supports_tensor_parallel(quantization):
         raise ValueError(

@@ -37,6 +37,28 @@ def resolve_draft(path: str, target_vocab_size: int, what: str = "draft model"):
     return resolved
 
 
+def check_draft_split(what: str, path: str, hf_config, tensor_parallel_size: int) -> None:
+    """Refuse a draft (or head) whose heads or MLP the ranks cannot split, naming its sizes and the valid ones."""
+    from runtime.distributed.layout import check_parallel_layout
+
+    try:
+        check_parallel_layout(hf_config, tensor_parallel_size, 1)
+    except ValueError as exc:
+        raise ValueError(f"{what} {path!r} cannot run under tensor parallelism as configured: {exc}") from None
+
+
+def check_target_hidden_size(what: str, path: str, hidden_size: int, target_hf_config) -> None:
+    """Refuse a head that reads target hidden states of another width than the target's."""
+    get_text_config = getattr(target_hf_config, "get_text_config", None)
+    text_config = get_text_config() if callable(get_text_config) else target_hf_config
+    target_size = getattr(text_config, "hidden_size", None)
+    if target_size is not None and hidden_size != target_size:
+        raise ValueError(
+            f"{what} {path!r} reads target hidden states of size {hidden_size}, but the target model's hidden_size is "
+            f"{target_size}: the head must be trained for this target"
+        )
+
+
 class DraftModelModule(nn.Module):
     """A causal LM as a :class:`runtime.spec_decode.DraftModule` (reads no target hidden states)."""
 
@@ -69,6 +91,7 @@ class DraftModelProposer:
 
         self.path = path
         self.resolved = resolve_draft(path, model_config.vocab_size)
+        check_draft_split("draft model", path, self.resolved.hf_config, tensor_parallel_size)
         quantization = select_quant_method(None, self.resolved.hf_config)  # the checkpoint's own, if any
         if quantization is not None and tensor_parallel_size > 1 and not supports_tensor_parallel(quantization):
             raise ValueError(

@@ -31,6 +31,7 @@ from runtime.models.rotary import RotaryEmbedding, rope_parameters
 from runtime.models.weights import load_hf_weights
 from runtime.spec_decode import DraftProposals, ProposalBatch, TargetInfo
 from runtime_spec_decode.checkpoint import hf_config, read_head_config, read_head_tensors
+from runtime_spec_decode.draft_model import check_draft_split, check_target_hidden_size
 from runtime_spec_decode.options import require_model
 
 
@@ -156,17 +157,19 @@ class EagleProposer:
     uses_kv_cache = True
     needs_hidden_states = True
 
-    def __init__(self, path: str, method: str, target_vocab_size: int):
+    def __init__(self, path: str, method: str, target_vocab_size: int, tensor_parallel_size: int = 1):
         self.path, self.method = path, method
         self.config = read_head_config(path, method)
         vocab = self.config.get("vocab_size")
         if vocab != target_vocab_size:
             raise ValueError(f"{method} head {path!r} has vocab_size {vocab}, the target model {target_vocab_size}: "
                              "the head must be trained for the target (same tokenizer and vocabulary)")
+        check_draft_split(f"{method} head", path, hf_config(self.config), tensor_parallel_size)
 
     @classmethod
     def from_config(cls, config: Any, method: str) -> EagleProposer:
-        return cls(require_model(config, method), method, config.model_config.vocab_size)
+        return cls(require_model(config, method), method, config.model_config.vocab_size,
+                   config.parallel_config.tensor_parallel_size)
 
     def load(self, target: TargetInfo) -> EagleHead:
         tensors = read_head_tensors(self.path, self.method)
@@ -174,6 +177,10 @@ class EagleProposer:
         if self.method == "eagle3" and not is_eagle3:
             raise ValueError(f"eagle3 head {self.path!r} has no 'midlayer.*' tensors (an EAGLE-1 head? use method 'eagle')")
         config = hf_config(self.config)
+        # EAGLE-1 concatenates the target's hidden state with its own embeddings; EAGLE-3 projects the
+        # target's (``target_hidden_size`` wide when it differs from its own).
+        head_size = (getattr(config, "target_hidden_size", None) if is_eagle3 else None) or config.hidden_size
+        check_target_hidden_size(f"{self.method} head", self.path, head_size, target.hf_config)
         has_embeddings = "embed_tokens.weight" in tensors
         if is_eagle3:
             num_layers = target.hf_config.num_hidden_layers

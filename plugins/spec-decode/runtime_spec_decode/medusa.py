@@ -24,6 +24,7 @@ from torch import nn
 
 from runtime.spec_decode import DraftProposals, ProposalBatch, TargetInfo
 from runtime_spec_decode.checkpoint import read_head_config, read_head_tensors
+from runtime_spec_decode.draft_model import check_target_hidden_size
 from runtime_spec_decode.options import require_model
 
 ORIGINAL_NAME = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(.+)$")
@@ -88,6 +89,7 @@ class MedusaProposer:
         if vocab != target.vocab_size:
             raise ValueError(f"medusa head {self.path!r} predicts {vocab} tokens, the target model has {target.vocab_size}: "
                              "the heads must be trained for the target (same vocabulary)")
+        check_target_hidden_size("medusa head", self.path, hidden_size, target.hf_config)
         blocks = nn.ModuleList(MedusaHead(hidden_size, vocab, self.num_layers) for _ in range(self.num_heads))
         state = {}
         for name, tensor in tensors.items():
