@@ -129,3 +129,37 @@ def test_bad_workload_numbers_fail_before_the_model_loads(model, plugin_manager,
     assert main(["bench", *args, "--model", model, *COMMON]) == 2
     err = capsys.readouterr().err
     assert f"runtime: error: {message}" in err and "Loading" not in err, err
+
+
+def test_latency_workload_longer_than_max_model_len_is_a_clear_error(model, plugin_manager, capsys):
+    """Random prompts must each generate --output-len tokens; a max_model_len without room for them is named
+    (it was a bare AssertionError from inside the timed run)."""
+    from runtime.cli.main import main
+
+    assert main(["bench", "latency", "--model", model, *COMMON, "--input-len", "8", "--output-len", "12",
+                 "--max-model-len", "16", "--batch-size", "1", "--num-iters", "1", "--num-iters-warmup", "0",
+                 "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "runtime: error: --input-len 8 + --output-len 12 is more than max_model_len 16" in err, err[-2000:]
+
+
+def test_throughput_workload_longer_than_max_model_len_is_a_clear_error(model, plugin_manager, capsys):
+    """Every request runs to its output length (EOS ignored); one without room for it is named before the run (it
+    was a bare AssertionError after the whole timed run)."""
+    from runtime.cli.main import main
+
+    assert main(["bench", "throughput", "--model", model, *COMMON, "--input-len", "8", "--output-len", "12",
+                 "--max-model-len", "16", "--num-prompts", "2", "--backends", "runtime", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "runtime: error: a request of 20 tokens (prompt + output, from --input-len 8 and --output-len 12) is more " \
+           "than max_model_len 16" in err, err[-2000:]
+
+
+def test_step_overhead_too_short_to_measure_is_a_clear_error(plugin_manager, capsys):
+    """Too few steps after the warm-up ones measured nothing: it was 'no median for empty data'."""
+    from runtime.cli.main import main
+
+    assert main(["bench", "step-overhead", "--num-requests", "4", "--output-len", "6", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "runtime: error: --num-requests must be >= 1 and --output-len >= 7 (5 warm-up steps, then measured ones " \
+           "before the last), got 4 and 6" in err, err[-2000:]

@@ -26,10 +26,18 @@ def load_hf_model(model: str, dtype: torch.dtype | None, dummy: bool, seed: int)
     return hf.eval()
 
 
+def _progress_bar(total: int, show: bool):
+    """Requests done so far, on stderr (as the engine's own run shows them)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="transformers requests", unit="req", disable=not show)
+
+
 @torch.inference_mode()
-def hf_generate_padded(model, workload, batch_size: int) -> float:
+def hf_generate_padded(model, workload, batch_size: int, show_progress: bool = False) -> float:
     """``generate`` over left-padded batches in arrival order; each batch runs to its longest output."""
     pad = 0
+    progress = _progress_bar(len(workload.prompts), show_progress)
     start = time.perf_counter()
     for lo in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[lo : lo + batch_size]
@@ -45,10 +53,13 @@ def hf_generate_padded(model, workload, batch_size: int) -> float:
             do_sample=False,
             pad_token_id=pad,
         )
-    return time.perf_counter() - start
+        progress.update(len(prompts))
+    elapsed = time.perf_counter() - start
+    progress.close()
+    return elapsed
 
 
-def hf_generate_batch(model, workload, max_batch_tokens: int) -> float:
+def hf_generate_batch(model, workload, max_batch_tokens: int, show_progress: bool = False) -> float:
     """transformers' continuous batching (paged attention) with per-request output lengths."""
     from transformers import GenerationConfig
 
@@ -59,6 +70,7 @@ def hf_generate_batch(model, workload, max_batch_tokens: int) -> float:
         pad_token_id=0,
         max_batch_tokens=max_batch_tokens,
     )
+    progress = _progress_bar(len(workload.prompts), show_progress)
     start = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
@@ -70,8 +82,10 @@ def hf_generate_batch(model, workload, max_batch_tokens: int) -> float:
                 if result.error:
                     raise RuntimeError(f"transformers generate_batch failed request {result.request_id}: {result.error}")
                 produced[result.request_id] = len(result.generated_tokens)
+                progress.update(1)
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped early")
+    progress.close()
     expected = {f"r{i}": n for i, n in enumerate(workload.output_lens)}
     if produced != expected:
         wrong = [k for k in expected if produced.get(k) != expected[k]][:3]

@@ -42,13 +42,16 @@ class LatencyResult:
         return 1000 * (self.latency_s - self.ttft_s) / max(tokens - 1, 1)
 
 
-def _mean_times(run: Callable[[int], float], num_tokens: int, iters: int, warmup: int) -> tuple[float, float]:
+def _mean_times(run: Callable[[int], float], num_tokens: int, iters: int, warmup: int,
+                show_progress: bool = False) -> tuple[float, float]:
     """Mean (latency, TTFT) in seconds; ``run`` returns the ``perf_counter`` time its batch's
-    first tokens were all out."""
-    for _ in range(warmup):
+    first tokens were all out. ``show_progress``: a bar of the runs done on stderr (as vLLM's)."""
+    from tqdm import tqdm
+
+    for _ in tqdm(range(warmup), desc="Warmup iterations", disable=not show_progress):
         run(num_tokens)
     latencies, ttfts = [], []
-    for _ in range(iters):
+    for _ in tqdm(range(iters), desc="Profiling iterations", disable=not show_progress):
         start = time.perf_counter()
         first = run(num_tokens)
         latencies.append(time.perf_counter() - start)
@@ -64,6 +67,10 @@ def runtime_runner(args, prompts: list[list[int]]) -> Callable[[int], float]:
     llm = LLM(**engine_kwargs(args))
     engine = llm.llm_engine
     natural = args.dataset != "random"
+    max_model_len = engine.config.model_config.max_model_len
+    if not natural and args.input_len + args.output_len > max_model_len:
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} is more than max_model_len "
+                         f"{max_model_len}: every request must generate --output-len tokens")
 
     def run(num_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=not natural, detokenize=False,
@@ -156,7 +163,7 @@ def measure(args, backend: str, prompts: list[list[int]]) -> LatencyResult:
     run = (runtime_runner if backend == "runtime" else hf_runner)(args, prompts)
     spec_counts = getattr(run, "spec_counts", lambda: None)
     before = spec_counts()
-    latency, ttft = _mean_times(run, args.output_len, args.num_iters, args.num_iters_warmup)
+    latency, ttft = _mean_times(run, args.output_len, args.num_iters, args.num_iters_warmup, not args.disable_tqdm)
     acceptance = mean_acceptance_length(before, spec_counts())
     output_tokens = run.output_tokens if args.dataset != "random" else None  # greedy: every run the same
     return LatencyResult(backend, latency, ttft, acceptance, output_tokens)
@@ -178,6 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the transformers peer speculates by prompt lookup with this many tokens (batch 1)")
     parser.add_argument("--hf-assistant-model", default=None,
                         help="the transformers peer speculates with this draft model (assisted generation, batch 1)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar of the runs done")
     add_engine_args(parser)
 
 

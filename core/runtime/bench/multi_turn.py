@@ -51,6 +51,8 @@ def workload(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
 
 
 def run_mode(args, mode: str, system: list[int], users: list[list[list[int]]]) -> MultiTurnResult:
+    from tqdm import tqdm
+
     from runtime import SamplingParams
     from runtime.bench.throughput import engine_kwargs
     from runtime.engine.llm_engine import LLMEngine
@@ -78,6 +80,7 @@ def run_mode(args, mode: str, system: list[int], users: list[list[list[int]]]) -
     arrivals = [(start_all + offset, i, 0) for i, offset in enumerate(offsets)]  # (time, conversation, turn)
     sent: dict[str, tuple[int, int, float]] = {}
     first, later, cached, ttft_seen = [], [], 0, set()
+    progress = tqdm(total=len(users) * args.num_turns, desc=f"turns ({mode})", unit="turn", disable=args.disable_tqdm)
     while arrivals or engine.has_unfinished_requests():
         arrivals.sort()
         now = time.perf_counter()
@@ -96,12 +99,14 @@ def run_mode(args, mode: str, system: list[int], users: list[list[list[int]]]) -
                 ttft_seen.add(output.request_id)
                 (later if turn else first).append(time.perf_counter() - t0)
             if output.finished:
+                progress.update(1)
                 histories[conv] += list(output.outputs[0].token_ids)
                 if turn:
                     cached += output.num_cached_tokens
                 if turn + 1 < args.num_turns:
                     arrivals.append((time.perf_counter() + thinks[conv][turn], conv, turn + 1))
     wall = time.perf_counter() - start_all
+    progress.close()
     after = stats()
     engine.engine_core.shutdown()
 
@@ -135,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="full conversation histories the default device pool holds besides the system prompt")
     parser.add_argument("--offload-modes", default="none,cpu", help="comma-separated runs: none, or --kv-offload values "
                         "(cpu, disk, cpu+disk for cpu,disk)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar of the turns answered")
     add_engine_args(parser)
 
 

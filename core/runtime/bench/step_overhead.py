@@ -31,18 +31,22 @@ def tiny_config_folder(hidden: int = 64, layers: int = 2, vocab: int = 2048) -> 
 
 
 class _Timer:
-    """Accumulates wall time of wrapped callables."""
+    """Accumulates wall time of wrapped callables (a call inside another wrapped one counts once)."""
 
     def __init__(self):
         self.total = 0.0
+        self.depth = 0
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
+            self.depth += 1
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total += time.perf_counter() - start
+                self.depth -= 1
+                if self.depth == 0:
+                    self.total += time.perf_counter() - start
 
         return timed
 
@@ -52,6 +56,8 @@ def _wrap_parts(engine) -> tuple[_Timer, dict[str, _Timer]]:
     core, runner = engine.engine_core, engine.engine_core.executor.worker.model_runner
     model = _Timer()
     runner.model.forward = model.wrap(runner.model.forward)
+    if runner.graphs is not None:  # decode steps run compiled code or replay graphs, not model.forward
+        runner.graphs.run = model.wrap(runner.graphs.run)
     runner.model.compute_logits = model.wrap(runner.model.compute_logits)
     runner.sampler.forward = model.wrap(runner.sampler.forward)
     parts = {"schedule": _Timer(), "update_from_output": _Timer(), "output processor": _Timer()}
@@ -91,19 +97,29 @@ def measure(
     warmup_steps: int = 5,
     profile: int = 0,
     cpu_num_threads: int | None = None,
+    show_progress: bool = False,
 ) -> dict:
     """Median step times at ``num_requests`` running requests; ``profile > 0`` prints the
     top ``profile`` functions (cProfile, by own time) over the measured steps.
 
     ``cpu_num_threads=1`` keeps torch ops from waiting on a busy second core, which
-    makes the figures far steadier on a machine shared with other jobs.
+    makes the figures far steadier on a machine shared with other jobs. ``show_progress``:
+    a bar of the steps run (one token per request each), on stderr.
     """
+    from tqdm import tqdm
+
+    # Measured: the steps after the warm-up ones that leave every request running (the last step ends them).
+    least = warmup_steps + 2
+    if num_requests < 1 or output_len < least:
+        raise ValueError(f"--num-requests must be >= 1 and --output-len >= {least} ({warmup_steps} warm-up steps, then "
+                         f"measured ones before the last), got {num_requests} and {output_len}")
     engine = _make_engine(num_requests, prompt_len, cpu_num_threads)
     model, parts = _wrap_parts(engine)
     _add_requests(engine, num_requests, prompt_len, output_len)
     profiler = cProfile.Profile() if profile else None
     overheads, totals, part_times = [], [], {name: [] for name in parts}
     step = 0
+    progress = tqdm(total=output_len, desc="decode steps", unit="step", disable=not show_progress)
     while engine.has_unfinished_requests():
         for timer in (model, *parts.values()):
             timer.total = 0.0
@@ -116,12 +132,14 @@ def measure(
         if profiler is not None:
             profiler.disable()
         step += 1
+        progress.update(min(1, output_len - progress.n))  # a token per request and step (the prompts fit one step)
         # Measured: every request was running before the step and still is after it.
         if measured and engine.engine_core.scheduler.stats()["num_running"] == num_requests:
             totals.append(elapsed)
             overheads.append(elapsed - model.total)
             for name, timer in parts.items():
                 part_times[name].append(timer.total)
+    progress.close()
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     return {
@@ -139,6 +157,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N functions (cProfile)")
     parser.add_argument("--cpu-num-threads", type=int, default=None, help="torch threads (default: the platform's)")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar of the decode steps")
 
 
 def register(sub) -> None:
@@ -149,7 +168,8 @@ def register(sub) -> None:
 
 def main(args) -> int:
     result = measure(
-        args.num_requests, output_len=args.output_len, profile=args.profile, cpu_num_threads=args.cpu_num_threads
+        args.num_requests, output_len=args.output_len, profile=args.profile, cpu_num_threads=args.cpu_num_threads,
+        show_progress=not args.disable_tqdm,
     )
     print(
         f"{result['num_running']} running requests, {result['steps_measured']} decode steps: "

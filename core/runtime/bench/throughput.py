@@ -64,6 +64,12 @@ def run_runtime(args, workload: Workload) -> float:
     from runtime import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
+    max_model_len = llm.llm_engine.config.model_config.max_model_len
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    if longest > max_model_len:
+        raise ValueError(f"a request of {longest} tokens (prompt + output, from --input-len {args.input_len} and "
+                         f"--output-len {args.output_len}) is more than max_model_len {max_model_len}: every request "
+                         "must generate its output length")
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for n in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     llm.generate(prompts[: min(4, len(prompts))], params[:4], use_tqdm=False)  # warm up
@@ -104,8 +110,8 @@ def run_hf(args, workload: Workload, batched: bool) -> float:
 
     model = _hf_model(args)
     if batched:
-        return hf_generate_batch(model, workload, args.hf_max_batch_tokens)
-    return hf_generate_padded(model, workload, args.hf_batch_size)
+        return hf_generate_batch(model, workload, args.hf_max_batch_tokens, not args.quiet)
+    return hf_generate_padded(model, workload, args.hf_batch_size, not args.quiet)
 
 
 def report(name: str, workload: Workload, elapsed: float) -> Result:
