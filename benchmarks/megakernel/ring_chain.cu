@@ -69,7 +69,8 @@ constexpr int kDone = 2, kReady = 3;
 template <int STAGES, bool EVICT, int MODE, int PF = 0>
 __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     const long long* w, const long long* s, const long long* x, const long long* o, const int* n, const int* k,
-    const int* rows, const int* base, int num_ops, int total_tiles, unsigned int* done, unsigned int* amax) {
+    const int* rows, const int* base, int num_ops, int total_tiles, unsigned int* done, unsigned int* amax,
+    unsigned long long* trace) {
   const Ops ops{w, s, x, o, n, k, rows, base};
   constexpr int kShare = 2 * kKc / 16;
   extern __shared__ __align__(128) uint4 ring[];  // [kWarps][STAGES][kShare], then x as e4m3 (14336 bytes)
@@ -126,8 +127,13 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     };
     if (MODE == 0) stage_x(0);
     asm volatile("bar.arrive %0, %1;" ::"n"(kReady), "n"(kConsumers + kControl) : "memory");
+    // trace (or null): [blocks][ops][3] globaltimer ns: the block's consumers are through with op j, the poll has
+    // seen every block, x of op j + 1 is staged.
+    auto now = [] { unsigned long long t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; };
+    const bool tracing = trace != nullptr && ct == 0;
     for (int j = 0; j < num_ops; ++j) {
       asm volatile("bar.sync %0, %1;" ::"n"(kDone), "n"(kConsumers + kControl) : "memory");
+      if (tracing) trace[(blockIdx.x * num_ops + j) * 3] = now();
       if (ct == 0) {
         float m = 0.0f;
         for (int i = 0; i < kWarps; ++i) m = fmaxf(m, row_max[i]);
@@ -140,9 +146,14 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
           asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(done + j) : "memory");
         } while (seen < gridDim.x);
       }
+      if (tracing) trace[(blockIdx.x * num_ops + j) * 3 + 1] = now();
       asm volatile("bar.sync 4, 128;" ::: "memory");
       if (j + 1 < num_ops) {
         if (MODE == 0) stage_x(j + 1);
+        if (trace != nullptr) {  // every control thread: x is staged once all 128 are through
+          asm volatile("bar.sync 4, 128;" ::: "memory");
+          if (tracing) trace[(blockIdx.x * num_ops + j) * 3 + 2] = now();
+        }
         asm volatile("bar.arrive %0, %1;" ::"n"(kReady), "n"(kConsumers + kControl) : "memory");
       }
     }

@@ -5,6 +5,7 @@ cores (sm_89+) and CuPy.
     python3 benchmarks/megakernel/ring_chain.py [VARIANT ...]     ms a step (median of 7 x 20 graph replays),
                                                                   max rel diff of the chain's last output
     CHECK=1 python3 benchmarks/megakernel/ring_chain.py            one layer, each op against torch with x in e4m3
+    TRACE=1 python3 benchmarks/megakernel/ring_chain.py 0          where the op boundaries' time goes (globaltimer)
 
 Variants (stages, L2 evict_first, mode, L2 prefetch distance): see VARIANTS; mode 1 leaves out the arithmetic and
 the staging of x (the copies and the waits between ops alone)."""
@@ -57,6 +58,8 @@ def main():
     unused = torch.zeros(len(ops), dtype=torch.int32, device=dev)  # the kernel's rows / base arguments
     done = torch.zeros(len(ops), dtype=torch.int32, device=dev)
     amax = torch.zeros(len(ops), dtype=torch.int32, device=dev)
+    trace = torch.zeros(cuda_launch.num_sms(0) * len(ops) * 3, dtype=torch.int64, device=dev)
+    tracing = bool(os.environ.get("TRACE"))
     picked = [VARIANTS[int(i)] for i in sys.argv[1:]] or VARIANTS[:1 if check else None]
     names = [f"ring_chain::chain<{st}, {'true' if e else 'false'}, {m}, {pf}>" for st, e, m, pf in picked]
     kernels = cuda_launch.compile_kernels(Path(__file__).with_name("ring_chain.cu").read_text(), names, 0)
@@ -68,7 +71,8 @@ def main():
         done.zero_()
         amax.zero_()
         args = tuple(t.data_ptr() for t in table) + (unused.data_ptr(), unused.data_ptr(), np.int32(len(ops)),
-                                                     np.int32(0), done.data_ptr(), amax.data_ptr())
+                                                     np.int32(0), done.data_ptr(), amax.data_ptr(),
+                                                     trace.data_ptr() if tracing else 0)
         cuda_launch.launch(kernels[name], (sms,), THREADS, args, 8 * stages * 4096 + X_BYTES, dev)
 
     def timed(fn):
@@ -110,12 +114,33 @@ def main():
             print(f"| op {i} ({n} x {k}) | max rel diff {err:.2e} |", flush=True)
             prev_max = got[i].float().abs().max()
         return
+    if tracing:
+        for _ in range(3):
+            persistent(names[0], picked[0][0])
+        torch.cuda.synchronize()
+        report_trace(trace.view(-1, len(ops), 3).double())
+        return
     t, ref = timed(launches)
     print(f"| 128 launches of the tuned Triton gemv, one graph | {t:.3f} | - |", flush=True)
     for name, (stages, *_) in zip(names, picked):
         ms, out = timed(lambda: persistent(name, stages))
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         print(f"| {name} | {ms:.3f} ({7.0 / ms:.2f} TB/s) | {err:.1e} |", flush=True)
+
+
+def report_trace(tr):
+    """The op boundaries of the last launch, from every block's timestamps (us)."""
+    done_t, polled_t, staged_t = tr[..., 0], tr[..., 1], tr[..., 2]
+    rows = {
+        "blocks' finish spread in an op (last block - first)": (done_t.max(0).values - done_t.min(0).values)[:-1],
+        "a block through with an op -> its poll sees every block": (polled_t - done_t)[:, :-1],
+        "poll -> the next op's x staged": (staged_t - polled_t)[:, :-1],
+    }
+    for label, v in rows.items():
+        print(f"| {label} | mean {v.mean().item() / 1e3:.2f}, median {v.median().item() / 1e3:.2f} |")
+    gap = done_t[:, 1:] - staged_t[:, :-1]
+    for r, (kind, mb) in enumerate([("o", 16.8), ("gate_up", 117.4), ("down", 58.7), ("qkv", 25.2)]):
+        print(f"| x staged -> through with {kind} ({mb / 4.6:.1f} at 4.6 TB/s) | median {gap[:, r::4].median().item() / 1e3:.2f} |")
 
 
 if __name__ == "__main__":
