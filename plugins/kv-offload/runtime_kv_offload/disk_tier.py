@@ -59,9 +59,14 @@ class DiskTier:
             if not os.path.isdir(folder):
                 continue
             for name in os.listdir(folder):
-                if name.endswith(SUFFIX):
+                if not name.endswith(SUFFIX):
+                    continue
+                try:
+                    block_hash = bytes.fromhex(name[: -len(SUFFIX)])
                     stat = os.stat(os.path.join(folder, name))
-                    found.append((stat.st_mtime, bytes.fromhex(name[: -len(SUFFIX)]), stat.st_size))
+                except (ValueError, OSError):  # not a block file, or deleted meanwhile (an engine sharing the folder)
+                    continue
+                found.append((stat.st_mtime, block_hash, stat.st_size))
         for _, block_hash, size in sorted(found):
             self.files[block_hash] = size
             self.total_bytes += size

@@ -96,11 +96,16 @@ class OffloadIndex:
 
     def promoted(self, block_hash: bytes, tier_index: int, ok: bool) -> bool:
         """A promotion came back from every rank: ``ok`` when all of them read the block.
-        Returns True when the ranks must free a staging buffer of a failed one."""
+        Returns True when the ranks must free its staging buffer: it failed, or nothing holds it."""
         self.unready.discard(block_hash)
         if ok:
-            self.origin[block_hash] = self.lower[tier_index].name
             self.lower[tier_index].touch(block_hash)
+            if block_hash in self.staged and not self.pins[block_hash]:
+                # Nobody waits for it any more (its requests were aborted meanwhile): a staging
+                # buffer has no eviction, so it is freed now rather than kept for good.
+                self.staged.discard(block_hash)
+                return True
+            self.origin[block_hash] = self.lower[tier_index].name
             return False
         for mirror in self.lower:
             mirror.discard(block_hash)

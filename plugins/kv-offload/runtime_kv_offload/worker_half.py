@@ -18,6 +18,7 @@ copies asynchronous. On the CPU the overlapped saves run on the background threa
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,6 +44,32 @@ def build_tiers(config, block_bytes: int, layout_key: str, pin: bool) -> list[tu
             bind(block_bytes, layout_key=layout_key, pin=pin)
         tiers.append((name, tier))
     return tiers
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def model_identity(config) -> str:
+    """What a block's KV depends on besides its tokens and the cache layout, for the disk tier's folder
+    name: the checkpoint (its absolute folder, and the size and modification time of its config and
+    weight files: a checkpoint replaced in place is another model), the quantization, the model's
+    dtype and the load format (dummy weights: their seed). Blocks of another model are never read."""
+    model = config.model_config
+    resolved = getattr(model, "resolved", None)
+    folder = os.path.abspath(getattr(resolved, "path", None) or model.model)
+    paths = [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+             if name == "config.json" or name.endswith(WEIGHT_SUFFIXES)] if os.path.isdir(folder) else [folder]
+    files = [(os.path.basename(path), stat.st_size, stat.st_mtime_ns) for path in paths if (stat := _stat(path))]
+    load_format = config.load_config.load_format
+    return repr((folder, files, model.quantization, str(model.dtype), load_format,
+                 model.seed if load_format == "dummy" else None))
+
+
+def _stat(path: str):
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
 
 
 def rank_suffix(state) -> str:
@@ -81,7 +108,7 @@ class OffloadingConnectorWorker:
     def register_kv_caches(self, kv_caches: list[torch.Tensor], block_dim: int = 1) -> None:
         self.copier = BlockCopier(kv_caches, block_dim)
         is_cuda = kv_caches[0].is_cuda
-        key = self.copier.layout_key(self.config.model_config.model, self.config.cache_config.kv_block_layout)
+        key = self.copier.layout_key(model_identity(self.config), self.config.cache_config.kv_block_layout)
         key += rank_suffix(self.state)
         tiers = build_tiers(self.config, self.copier.block_bytes, key, pin=is_cuda)
         self.cpu = next((tier for _, tier in tiers if hasattr(tier, "reserve_slot")), None)
@@ -99,17 +126,19 @@ class OffloadingConnectorWorker:
 
     # ---------------------------------------------------------------- steps
     def start_load_kv(self, metadata) -> None:
+        loads = [(self.cpu.pool[slot] if slot is not None else self.staged[h], block_id)
+                 for block_id, h, slot in metadata.loads]
+        # Staging buffers are freed before this step's promotions start: one of them may stage the
+        # same block anew (a block dropped and looked up again by another request in one step).
+        for block_hash in metadata.drops:
+            self.staged.pop(block_hash, None)
         promotions = [(h, self.thread.submit(self._promote, h, tier, slot)) for h, tier, slot in metadata.promotions]
         first = self._buffers(metadata.saves_first)
         later = self._buffers(metadata.saves)
-        loads = [(self.cpu.pool[slot] if slot is not None else self.staged[h], block_id)
-                 for block_id, h, slot in metadata.loads]
         if self.stream is not None:
             self._start_cuda(first, loads, later)
         else:
             self._start_cpu(first, loads, later)
-        for block_hash in metadata.drops:
-            self.staged.pop(block_hash, None)
         for block_hash, future in promotions:
             self.promoted[block_hash] = future.result()
 

@@ -101,3 +101,24 @@ def test_a_backend_block_order_keeps_its_own_disk_folder(model_path, tmp_path, m
     folders = {p.name for p in tmp_path.iterdir()}
     (new,) = folders - usual
     assert list((tmp_path / new).rglob("*.kvb"))
+
+
+def test_a_checkpoint_replaced_in_place_does_not_read_the_old_ones_blocks(tmp_path):
+    """The disk folder names the checkpoint's files, not only its path: new weights written over the
+    old ones (a retrained model, the same folder) recompute every block. Before, the old model's KV
+    was loaded from disk and the new model's greedy tokens were wrong."""
+    from runtime.testing.models import build_untokenized_model
+
+    model = str(tmp_path / "model")
+    prompt = random_tokens(random.Random(11), 40)
+    tiers = dict(kv_offload="cpu,disk", kv_offload_size="1MiB,4MiB", kv_offload_dir=str(tmp_path / "kv"))
+    build_untokenized_model("llama", model, seed=0)
+    generate_with_stats(model, [prompt], **tiers)
+    _, stats = generate_with_stats(model, [prompt], **tiers)
+    assert stats["kv_offload_hits_disk"] == 9  # the same checkpoint finds its blocks again
+
+    build_untokenized_model("llama", model, seed=1)
+    reference = [tokens for tokens, _ in reference_outputs(model, [prompt], NUM_NEW_TOKENS)]
+    outputs, stats = generate_with_stats(model, [prompt], **tiers)
+    check_outputs_equal(reference, outputs, "new weights in the same folder")
+    assert stats.get("kv_offload_hits_disk", 0) == 0
