@@ -37,8 +37,13 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: Int64 | None = None
     return_token_ids: bool = False  # vLLM's: choices carry token_ids (and prompt_token_ids when not streamed)
 
+    @property
+    def echo_only(self) -> bool:
+        """OpenAI's (and vLLM's) ``echo`` with ``max_tokens`` 0: the prompt (and its logprobs) back, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
     def _max_tokens(self) -> int | None:
-        return self.max_tokens
+        return 1 if self.echo_only else self.max_tokens  # the engine samples one token, which is not returned
 
     def _num_logprobs(self) -> int | None:
         check_logprobs("logprobs", self.logprobs)

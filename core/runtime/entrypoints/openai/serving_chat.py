@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from runtime.entrypoints.openai.errors import from_exception
+from runtime.entrypoints.openai.errors import from_exception, param_of
 from runtime.entrypoints.openai.prompt_inputs import checked_input
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, InvalidField
 from runtime.entrypoints.openai.responses import (
@@ -119,8 +119,13 @@ class OpenAIServingChat(OpenAIServing):
 
     def _checked_prompt(self, request: ChatCompletionRequest, params: SamplingParams) -> dict:
         prompt = self.render_prompt(request)
-        return checked_input(self.engine.input_processor, prompt["prompt_token_ids"], prompt["prompt"], params,
-                             request.max_tokens_param())
+        try:
+            return checked_input(self.engine.input_processor, prompt["prompt_token_ids"], prompt["prompt"], params,
+                                 request.max_tokens_param())
+        except ValueError as exc:  # a chat request has no prompt field: the templated messages are its prompt
+            if getattr(exc, "param", None) is None and param_of(str(exc)) == "prompt":
+                raise InvalidField("messages", f"messages (as the chat template renders them): {exc}") from None
+            raise
 
     # ---------------------------------------------------------------- unary
     def _response(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -63,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.return_token_ids:  # vLLM's extension: the ids of each prompt and choice
             for choice in body["choices"]:
                 final = finals[choice["index"] // request.n]
-                output = next(o for o in final.outputs if o.index == choice["index"] % request.n)
+                output = returned(request, next(o for o in final.outputs if o.index == choice["index"] % request.n))
                 choice["prompt_token_ids"], choice["token_ids"] = final.prompt_token_ids, output.token_ids
         if request.kv_transfer_params is not None:
             add_kv_transfer_fields(body, finals[0])
@@ -79,6 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
             assert final is not None and final.finished, "a completion stream ended unfinished"
             num_prompt += len(final.prompt_token_ids or ())
             for output in final.outputs:
+                output = returned(request, output)
                 num_generated += len(output.token_ids)
                 choices.append(self._choice(request, prompt_index, final, output))
         choices.sort(key=lambda c: c.index)
@@ -147,6 +149,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for prompt_index, output in merged:
                 for completion in output.outputs:
+                    completion = returned(request, completion)
                     index = prompt_index * request.n + completion.index
                     first = index not in offsets
                     if first and completion.index == 0:
@@ -197,3 +200,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.return_token_ids:
             choice["token_ids"] = completion.token_ids
         return choice
+
+
+def returned(request: CompletionRequest, output: CompletionOutput) -> CompletionOutput:
+    """``output`` as the response shows it: with ``echo`` and ``max_tokens`` 0 the token the engine had to sample is
+    left out, and a finished output ends by "length" (as OpenAI's and vLLM's)."""
+    if not request.echo_only:
+        return output
+    finish_reason = None if output.finish_reason is None else "length"
+    return dataclasses.replace(output, text="", token_ids=[], logprobs=None, finish_reason=finish_reason, stop_reason=None)

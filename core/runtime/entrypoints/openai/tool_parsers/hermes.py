@@ -35,8 +35,8 @@ def split_blocks(text: str) -> tuple[list[str], list[tuple[str, bool]]]:
         pieces.append(text[pos:start])
         inner = start + len(START)
         end = text.find(END, inner)
-        if end == -1:
-            blocks.append((text[inner:], False))
+        if end == -1:  # cut short (finish_reason "length"), maybe inside the end tag: that part is left out
+            blocks.append((text[inner:len(text) - partial_prefix_len(text, inner, END)], False))
             pieces.append("")
             return pieces, blocks
         blocks.append((text[inner:end], True))

@@ -1,0 +1,89 @@
+"""OpenAI (and vLLM) request semantics through a real server and the official client: completions
+``echo`` with ``max_tokens`` 0 (the prompt and its logprobs back, nothing generated), and errors
+about a chat request's templated conversation naming ``messages``, the field the request has."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from support.remote_server import SERVER_FLAGS, running_server
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 256  # SERVER_FLAGS'
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server_openai_semantics") / "server.log"
+    with running_server(tiny_llama, SERVER_FLAGS + ["--served-model-name", MODEL], log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def tokenize(server, prompt: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"prompt": prompt}, timeout=30).json()["tokens"]
+
+
+def test_echo_with_max_tokens_0_gives_the_prompt_and_its_logprobs(server, client):
+    """OpenAI's legacy scoring call, as vLLM answers it: the prompt as the text, its tokens' logprobs (the first
+    None), finish_reason "length" and no completion tokens."""
+    prompt = "hi there friend"
+    ids = tokenize(server, prompt)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert "".join(logprobs.tokens) == prompt and len(logprobs.tokens) == len(ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(token in top for token, top in zip(logprobs.tokens[1:], logprobs.top_logprobs[1:]))
+    # the same scores as the prompt_logprobs of a request that generates
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1)
+    assert scored.choices[0].logprobs.token_logprobs[:len(ids)] == pytest.approx(logprobs.token_logprobs, abs=1e-4)
+
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.text for chunk in chunks for c in chunk.choices) == prompt
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices if c.finish_reason] == ["length"]
+    streamed = [t for chunk in chunks for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == logprobs.tokens
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_echo_with_max_tokens_0_of_several_prompts_and_n(client):
+    out = client.completions.create(model=MODEL, prompt=["one two", "three"], max_tokens=0, echo=True, n=2)
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
+        (0, "one two", "length"), (1, "one two", "length"), (2, "three", "length"), (3, "three", "length"),
+    ]
+    assert out.usage.completion_tokens == 0
+    ids = [[5, 6, 7]]
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == [] and out.choices[0].model_extra["prompt_token_ids"] == ids[0]
+
+
+def test_max_tokens_0_without_echo_is_still_a_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_a_conversation_too_long_for_the_context_is_a_400_naming_messages(server, client):
+    """Short enough in characters to be tokenized, too long in tokens once templated: the error names the chat
+    request's own field (it named "prompt", which a chat request does not have)."""
+    messages = [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert info.value.body["param"] == "messages", info.value.body
+    assert str(MAX_MODEL_LEN) in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # streamed: refused before the stream starts
+        client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+    assert info.value.body["param"] == "messages"
+    assert httpx.get(server.url + "/health").status_code == 200
