@@ -100,11 +100,20 @@ def test_skip_tokenizer_init_runs_on_ids(model_path, llm):
         bare.generate("text", params, use_tqdm=False)
 
 
-def test_priority_argument(llm):
+def test_priority_argument(model_path):
+    llm = LLM(model_path, dtype="float32", max_model_len=256, block_size=8, scheduling_policy="priority")
     outs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
     assert [o.request_id for o in outs] == sorted(o.request_id for o in outs)
     with pytest.raises(ValueError, match="2 prompts but 1 priorities"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1], use_tqdm=False)
+
+
+def test_priority_needs_the_priority_policy(llm):
+    # as vLLM: under first-come-first-served scheduling a priority would be ignored, so it is refused
+    with pytest.raises(ValueError, match="priority 1 needs --scheduling-policy priority; this engine schedules fcfs"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[1, 0], use_tqdm=False)
+    outs = llm.generate(["a", "b"], SamplingParams(max_tokens=2), priority=[0, 0], use_tqdm=False)
+    assert len(outs) == 2 and all(o.finished for o in outs)
 
 
 def test_min_tokens_holds_back_eos(llm):

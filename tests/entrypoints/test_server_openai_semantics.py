@@ -87,3 +87,18 @@ def test_a_conversation_too_long_for_the_context_is_a_400_naming_messages(server
         client.chat.completions.create(model=MODEL, messages=messages, stream=True)
     assert info.value.body["param"] == "messages"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_priority_without_the_priority_policy_is_a_400_naming_it(client, endpoint):
+    """As vLLM: a server that schedules first come, first served refuses a nonzero priority rather than ignore it."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "completions":
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 3})
+        else:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           extra_body={"priority": 3})
+    error = caught.value.body
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 0})
+    assert ok.choices[0].finish_reason == "length"

@@ -83,7 +83,8 @@ class AsyncLLM:
             with holding_stop_signals():
                 self.tokenizer = load_tokenizer(config)
                 self.input_processor = InputProcessor(
-                    config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend")
+                    config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend"),
+                    config.scheduler_config.policy,
                 )
                 self.output_processor = OutputProcessor(self.tokenizer, stream_interval)
                 self.metrics = metrics or EngineMetrics(config.model_config.served_model_name)

@@ -21,10 +21,12 @@ NO_GUIDED_BACKEND = (
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, tokenizer, guided_backend: str | None = None):
+    def __init__(self, model_config: ModelConfig, tokenizer, guided_backend: str | None = None,
+                 scheduling_policy: str = "fcfs"):
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.guided_backend = guided_backend  # the engine's guided decoding backend, None when there is none
+        self.scheduling_policy = scheduling_policy
 
     def tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
         """Token ids and text of a prompt: a string, {"prompt": ...} or {"prompt_token_ids": [...]}."""
@@ -144,6 +146,10 @@ class InputProcessor:
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> tuple[EngineCoreRequest, str | None]:
+        if priority != 0 and self.scheduling_policy != "priority":
+            # as vLLM: a priority would be silently ignored under first-come-first-served scheduling
+            raise ValueError(f"priority {priority} needs --scheduling-policy priority; this engine schedules "
+                             f"{self.scheduling_policy} (priority must be 0)")
         prompt_token_ids, prompt_text = self.truncate(*self.tokenize(prompt), params)
         self.validate(prompt_token_ids, params)
         params = with_prompt_cache_salt(params.clone(), prompt)

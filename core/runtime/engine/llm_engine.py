@@ -30,7 +30,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.input_processor = InputProcessor(
-            config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend")
+            config.model_config, self.tokenizer, config.plugin_options.get("guided_decoding_backend"),
+            config.scheduler_config.policy,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
