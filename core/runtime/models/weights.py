@@ -31,7 +31,9 @@ def load_hf_weights(
     checkpoint names of the fused projections' tensors that arrived (``...q_proj.weight``).
 
     A fused parameter counts as loaded once all its shards arrived. With tied word
-    embeddings a checkpoint's ``lm_head.weight`` (if any) is skipped. KV cache scales
+    embeddings a checkpoint's ``lm_head.*`` tensors (if any: a copy of the embedding, or a
+    quantized head that a GPTQ ``lm_head: true`` export writes) are skipped, as vLLM does: the
+    logits come from the embedding. KV cache scales
     (``self_attn.k_scale`` ...) go to the attention layers. A tensor that matches no
     parameter, or has the wrong shape, is a ``ValueError``.
     """
@@ -41,7 +43,7 @@ def load_hf_weights(
     loaded: set[str] = set()
     shards_seen: dict[str, set[str]] = {}
     for name, tensor in weights:
-        if name.endswith(IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight"):
+        if name.endswith(IGNORED_SUFFIXES) or (tie_word_embeddings and name.startswith("lm_head.")):
             continue
         if other_stages and name.startswith(other_stages):
             continue
