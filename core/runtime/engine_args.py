@@ -329,6 +329,9 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     from runtime.platforms import select_platform
     from runtime.quantization import canonical_quant_method
 
+    if isinstance(args.dtype, torch.dtype):  # vLLM takes a torch dtype too (LLM(..., dtype=torch.float16))
+        name = next((n for n, d in _DTYPES.items() if d == args.dtype), None)
+        args = dataclasses.replace(args, dtype=name or str(args.dtype).removeprefix("torch."))
     _check_numbers(args)
     args.quantization = canonical_quant_method(args.quantization)
     _check_plugin_choices(args)

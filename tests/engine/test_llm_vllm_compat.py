@@ -150,3 +150,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert all_of_it.prompt_token_ids == ids
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be None, -1"):
         SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_a_torch_dtype_is_accepted_as_vllm_accepts_it(model_path):
+    import torch
+
+    llm = LLM(model_path, dtype=torch.float32, max_model_len=64)
+    assert llm.llm_engine.config.model_config.dtype == torch.float32
+    out = llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match=r"dtype 'int8' is not valid; choose one of: auto, float32"):
+        LLM(model_path, dtype=torch.int8, max_model_len=64)
