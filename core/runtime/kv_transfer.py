@@ -150,6 +150,24 @@ def parse_size(text: Any) -> int:
     return size
 
 
+def _size_texts(value: Any) -> list[str]:
+    """One size text a tier, in order; an empty item keeps that tier's default (``,64GiB``)."""
+    if value is None:
+        return []
+    items = list(value) if isinstance(value, (list, tuple)) else str(value).split(",")
+    texts = ["" if item is None else str(item).strip() for item in items]
+    while texts and not texts[-1]:
+        texts.pop()
+    return texts
+
+
+def _count(key: str, value: Any) -> int:
+    """A positive integer of kv_connector_extra_config, or an error naming the key and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"kv_connector_extra_config {key} must be a positive integer, got {value!r}")
+    return value
+
+
 def _split(value: Any) -> list[str]:
     if value is None:
         return []
@@ -265,19 +283,27 @@ def _resolve_tiers(tiers: Any, sizes: Any, directory: str | None, policy: str | 
             raise ValueError("--kv-offload: " + registry.unknown_message(name))
     if len(set(tier_names)) != len(tier_names):
         raise ValueError(f"--kv-offload: tier listed twice in {','.join(tier_names)!r}")
-    size_texts = _split(sizes if sizes is not None else extra.get("size"))
+    size_texts = _size_texts(sizes if sizes is not None else extra.get("size"))
     if len(size_texts) > len(tier_names):
         raise ValueError(
             f"--kv-offload-size: {len(size_texts)} sizes for {len(tier_names)} tier(s) ({','.join(tier_names)}); give one per tier"
         )
-    parsed = [parse_size(t) for t in size_texts]
-    if "cpu" in tier_names and len(parsed) <= tier_names.index("cpu"):
-        cpu_bytes = extra.get("cpu_bytes_to_use")
+    parsed = [parse_size(t) if t else 0 for t in size_texts]  # 0: the tier's default
+    num_cpu_blocks = extra.get("num_cpu_blocks")
+    cpu_bytes = extra.get("cpu_bytes_to_use")
+    if "cpu" in tier_names:
+        cpu_index = tier_names.index("cpu")
+        given = [what for what, value in (("--kv-offload-size", cpu_index < len(parsed) and parsed[cpu_index]),
+                                          ("num_cpu_blocks", num_cpu_blocks), ("cpu_bytes_to_use", cpu_bytes)) if value]
+        if len(given) > 1:
+            raise ValueError(f"the cpu tier's size is given {len(given)} times ({', '.join(given)}); give it once")
         if cpu_bytes is not None:
-            parsed += [0] * (tier_names.index("cpu") - len(parsed)) + [parse_size(f"{int(cpu_bytes)}B")]
+            parsed += [0] * (cpu_index + 1 - len(parsed))
+            parsed[cpu_index] = _count("cpu_bytes_to_use", cpu_bytes)
+        if num_cpu_blocks is not None:
+            num_cpu_blocks = _count("num_cpu_blocks", num_cpu_blocks)
     byte_sizes = tuple(parsed[i] if i < len(parsed) and parsed[i] else DEFAULT_TIER_SIZES.get(n, 1 << 30)
                        for i, n in enumerate(tier_names))
-    num_cpu_blocks = extra.get("num_cpu_blocks")
     policy = policy or extra.get("policy") or "lru"
     if policy not in EVICTION_POLICIES:
         raise ValueError(f"--kv-offload-policy {policy!r} is not valid; choose one of: {', '.join(EVICTION_POLICIES)}")

@@ -116,3 +116,29 @@ def test_engine_start_up_fails_with_the_bad_value(model_path, tmp_path):
         LLM(model_path, skip_tokenizer_init=True, kv_offload="cpu", kv_offload_size="8 GB!")
     with pytest.raises(ValueError, match=r"holds no block; one block takes 2048 bytes"):
         LLM(model_path, skip_tokenizer_init=True, dtype="float32", block_size=4, kv_offload="cpu", kv_offload_size="1KiB")
+
+
+def test_an_empty_size_keeps_that_tiers_default(tmp_path):
+    resolved = resolve_kv_offload(args(kv_offload="cpu,disk", kv_offload_size=",64MiB", kv_offload_dir=str(tmp_path)))
+    assert resolved["sizes"] == (DEFAULT_TIER_SIZES["cpu"], 64 << 20)
+    resolved = resolve_kv_offload(args(kv_offload="cpu,disk", kv_offload_size="8MiB,", kv_offload_dir=str(tmp_path)))
+    assert resolved["sizes"] == (8 << 20, DEFAULT_TIER_SIZES["disk"])
+
+
+@pytest.mark.parametrize("key, value", [("num_cpu_blocks", 0), ("num_cpu_blocks", -5), ("num_cpu_blocks", "abc"),
+                                        ("num_cpu_blocks", True), ("cpu_bytes_to_use", "x"), ("cpu_bytes_to_use", 0)])
+def test_extra_config_sizes_must_be_positive_integers(key, value):
+    config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {key: value}}
+    with pytest.raises(ValueError, match=rf"kv_connector_extra_config {key} must be a positive integer, got {value!r}"):
+        resolve_kv_offload(args(kv_transfer_config=config))
+
+
+def test_the_cpu_tiers_size_given_twice_is_refused():
+    config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 100}}
+    with pytest.raises(ValueError, match=r"the cpu tier's size is given 2 times \(--kv-offload-size, num_cpu_blocks\)"):
+        resolve_kv_offload(args(kv_offload="cpu", kv_offload_size="1GiB", kv_transfer_config=config))
+    both = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 100, "cpu_bytes_to_use": 1 << 20}}
+    with pytest.raises(ValueError, match=r"given 2 times \(num_cpu_blocks, cpu_bytes_to_use\)"):
+        resolve_kv_offload(args(kv_transfer_config=both))
+    alone = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}}
+    assert resolve_kv_offload(args(kv_transfer_config=alone))["sizes"] == (1 << 20,)
