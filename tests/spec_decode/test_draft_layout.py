@@ -69,3 +69,18 @@ def test_draft_of_another_vocabulary_is_refused_before_workers_start(target, tmp
     with pytest.raises(ValueError, match=rf"draft model '{draft}' has vocab_size {UNTOKENIZED_VOCAB_SIZE + 8}, the target "
                                          rf"model {UNTOKENIZED_VOCAB_SIZE}"):
         start(target, {"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
+
+
+def test_a_bad_draft_is_refused_before_the_target_loads_at_tp_1(target, tmp_path, monkeypatch):
+    """One process (no workers to start): the draft is still checked before the executor loads the target."""
+    from runtime.engine import core
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the executor (the target model) was started")
+
+    monkeypatch.setattr(core, "create_executor", refuse)
+    draft = three_head_draft(tmp_path / "draft", vocab_size=UNTOKENIZED_VOCAB_SIZE + 8)
+    with pytest.raises(ValueError, match="vocab"):
+        LLM(target, dtype="float32", skip_tokenizer_init=True, load_format="dummy", max_model_len=64,
+            num_gpu_blocks_override=16, speculative_config={"method": "draft_model", "model": draft,
+                                                             "num_speculative_tokens": 2})

@@ -23,10 +23,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
+        # The proposer first: its factory checks the draft (vocabulary, sizes) before any model loads.
+        self.proposer, self.num_speculative_tokens = make_proposer(config)
         self.executor = create_executor(config)
         self.num_blocks = self.executor.initialize()
         self.structured_output = make_structured_output_manager(config)
-        self.proposer, self.num_speculative_tokens = make_proposer(config)
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.num_blocks, self.structured_output,
             num_speculative_tokens=self.num_speculative_tokens,
