@@ -102,3 +102,16 @@ def test_an_error_after_a_timeout_does_not_fail_the_next_call(executor):
     time.sleep(0.8)
     assert executor.collective_rpc("echo", ("next",)) == [("echo", 0, ("next",)), ("echo", 1, ("next",))]
     assert executor._results == {}
+
+
+def test_waiting_again_for_a_step_given_up_raises_at_once(executor):
+    """A step whose wait failed (here: timed out) raises again at once when asked for its result a second time,
+    rather than waiting for replies that were dropped."""
+    seq = executor._broadcast("slow", ("step",), {}, reply_ranks={0, 1})
+    with pytest.raises(WorkerDied, match="did not answer slow within 0.2 s"):
+        executor._wait(seq, [0, 1], "slow", timeout_s=0.2)
+    started = time.monotonic()
+    with pytest.raises(WorkerDied, match="slow failed already; its replies were dropped"):
+        executor._wait(seq, [0, 1], "slow", timeout_s=2)  # (without the check: "did not answer" after 2 s)
+    assert time.monotonic() - started < 0.1
+    wait_for_late_replies(executor)

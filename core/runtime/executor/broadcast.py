@@ -154,6 +154,8 @@ class BroadcastExecutor:
 
     def _wait(self, seq: int, ranks, what: str, timeout_s: float | None = None) -> list:
         """The replies of ``ranks`` to call ``seq``, watching the workers while waiting."""
+        if seq in self._failed:  # given up already (a wait for it failed): its replies are gone, never wait again
+            raise WorkerDied(f"{what} failed already; its replies were dropped")
         try:
             return self._collect(seq, list(ranks), what, timeout_s)
         except BaseException:
@@ -176,7 +178,8 @@ class BroadcastExecutor:
                     reply_seq, rank, ok, payload = pickle.loads(data)
                     if not ok and reply_seq not in self._failed:
                         self._give_up(reply_seq)
-                        self._fail(f"worker rank {rank} failed in {what if reply_seq == seq else 'an earlier call'}:\n{payload}")
+                        call = what if reply_seq == seq else "an earlier call" if reply_seq < seq else "a later call"
+                        self._fail(f"worker rank {rank} failed in {call}:\n{payload}")
                     if ok and reply_seq not in self._failed:
                         self._results[(reply_seq, rank)] = payload
             dead = self.workers.dead_worker()
