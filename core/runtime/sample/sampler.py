@@ -1,10 +1,12 @@
 """The sampler: one token per row from the logits of one step.
 
-Order, as in vLLM V1:
+Order (steps 1-3 as in vLLM V1):
 1. raw logprobs: log_softmax of the logits as given, if any row wants logprobs;
 2. logit_bias, the min_tokens stop mask, then the penalties (every row);
 3. greedy rows take the argmax;
-4. random rows: temperature, top-k, top-p, min-p, softmax, then one draw.
+4. random rows: temperature, top-k, top-p, min-p, softmax, then one draw. This is transformers'
+   order of its warpers; vLLM V1 applies min-p before top-k/top-p, so with min-p and top-p
+   together the kept tokens may differ from vLLM's.
 
 Top-p sorts each row, unless the platform offers a ``top_k_top_p`` op
 (``runtime.models.ops``) and every row that top-p filters also has a top-k: then the
