@@ -66,8 +66,19 @@ class GptqMethod:
         if config.get("dynamic"):
             raise ValueError("gptq quantization_config.dynamic (per-module bits or group sizes) is not supported")
         scheme = WNA16Scheme(
-            "gptq", config.get("bits"), config.get("group_size", -1), symmetric=bool(config.get("sym", True)),
-            act_order=bool(config.get("desc_act", False)), zero_offset=CHECKPOINT_FORMATS[fmt],
+            "gptq", config.get("bits"), config.get("group_size", -1), symmetric=_flag(config, "sym", True),
+            act_order=_flag(config, "desc_act", False), zero_offset=CHECKPOINT_FORMATS[fmt],
         )
         skipped = tuple(config.get("modules_to_not_convert") or ())
-        return WNA16Config(scheme, skipped, quantize_lm_head=bool(config.get("lm_head", False)))
+        return WNA16Config(scheme, skipped, quantize_lm_head=_flag(config, "lm_head", False))
+
+
+def _flag(config: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false field of the quantization_config: JSON booleans (or null for the default); a string
+    such as "false" would read as true, so anything else is refused, naming the field."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"gptq quantization_config.{key} must be true or false, got {value!r}")
+    return value

@@ -31,6 +31,9 @@ def gptq_checkpoint(float_checkpoint, tmp_path):
     ({"group_size": 48}, r"gptq group_size 48 is not supported; supported: -1, 16, 32, 64, 128, 256"),
     ({"checkpoint_format": "marlin"}, r"checkpoint_format 'marlin' is not supported; supported: gptq, gptq_v2"),
     ({"dynamic": {"re:.*down.*": {"bits": 8}}}, r"gptq quantization_config.dynamic .* is not supported"),
+    ({"sym": "false"}, r"gptq quantization_config.sym must be true or false, got 'false'"),
+    ({"desc_act": 1}, r"gptq quantization_config.desc_act must be true or false, got 1"),
+    ({"lm_head": "yes"}, r"gptq quantization_config.lm_head must be true or false, got 'yes'"),
 ])
 def test_gptq_settings_it_cannot_run(settings, message):
     config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, **settings}
