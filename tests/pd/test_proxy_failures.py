@@ -129,3 +129,32 @@ def test_a_decode_stream_that_breaks_ends_with_an_error_event():
                     texts.append(chunk.choices[0].text)
     assert texts == ["a"]
     assert backends.in_flight == {"prefill": {prefill: 0}, "decode": {decode: 0}}
+
+
+@pytest.mark.parametrize("body", [b"<html>not json</html>", b"[1, 2]"])
+def test_a_prefill_answer_that_is_not_a_json_object_is_a_502(body):
+    """A 200 from the prefill instance whose body is not a JSON object (not a runtime instance, or a broken one) is
+    a 502 naming what came back; it was a 500."""
+    from fastapi.responses import Response as PlainResponse
+
+    odd = FastAPI()
+
+    @odd.post("/v1/completions")
+    async def completions(request: Request):
+        await request.json()
+        return PlainResponse(body, media_type="text/html")
+
+    with serving([odd, refusing_decode_app()]) as (prefill, decode):
+        backends = Backends([prefill], [decode])
+        with serving([build_app(backends)]) as (proxy,):
+            response = httpx.post(proxy + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert response.status_code == 502, response.text
+    assert "not a JSON object" in response.json()["error"]["message"]
+    assert backends.in_flight == {"prefill": {prefill: 0}, "decode": {decode: 0}}
+
+
+def test_listing_models_with_the_decode_instance_down_is_a_502():
+    backends = Backends([f"http://127.0.0.1:{free_port()}"], [f"http://127.0.0.1:{free_port()}"])  # nobody listens
+    with serving([build_app(backends)]) as (proxy,):
+        response = httpx.get(proxy + "/v1/models", timeout=30)
+    assert response.status_code == 502 and "did not answer" in response.json()["error"]["message"]

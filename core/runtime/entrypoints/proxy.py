@@ -179,7 +179,14 @@ def build_app(backends: Backends, prefill_timeout: float = PREFILL_TIMEOUT_S) ->
                 backends.give_back("prefill", url)
             if prefill.status_code != 200:
                 return Response(prefill.content, prefill.status_code, media_type="application/json")
-            params = prefill.json().get("kv_transfer_params")
+            try:
+                answer = prefill.json()
+            except ValueError:  # not JSON: not a runtime instance, or a broken one
+                answer = None
+            if not isinstance(answer, dict):
+                return error(502, f"the prefill instance answered 200 with a body that is not a JSON object: "
+                                  f"{prefill.text[:200]!r}")
+            params = answer.get("kv_transfer_params")
             lease = (url, params) if isinstance(params, dict) and params.get("remote_block_ids") else None
             body = {**body, "kv_transfer_params": params}
         url = backends.take("decode")
@@ -228,7 +235,11 @@ def build_app(backends: Backends, prefill_timeout: float = PREFILL_TIMEOUT_S) ->
     @app.get("/v1/models")
     async def models(request: Request):
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARDED_HEADERS}
-        response = await client().get(backends.decode[0] + "/v1/models", headers=headers)
+        try:
+            response = await client().get(backends.decode[0] + "/v1/models", headers=headers)
+        except httpx.HTTPError as exc:
+            logger.warning("listing the models failed: %r", exc)
+            return error(502, f"the decode instance did not answer ({type(exc).__name__}: {exc})")
         return Response(response.content, response.status_code, media_type="application/json")
 
     @app.get("/health")
