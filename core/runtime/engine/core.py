@@ -75,6 +75,12 @@ class EngineCore:
             eos = eos | {request.eos_token_id}
         # The sampler's min_tokens mask keeps all of these out until min_tokens is reached.
         params.all_stop_token_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+        in_flight = self.in_flight
+        if (in_flight is not None and request.request_id in in_flight.scheduler_output.num_scheduled_tokens
+                and request.request_id not in self.scheduler.requests):
+            # The id's previous request (aborted or finished) has a token in the step in flight:
+            # take it now, or it would be appended to this new request when the step is collected.
+            in_flight.collect()
         self.scheduler.add_request(Request.from_engine_core_request(request, max_tokens, eos))
 
     def abort_requests(self, request_ids) -> None:

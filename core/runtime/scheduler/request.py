@@ -124,10 +124,14 @@ class Request:
         return self.status.is_finished
 
     def sort_key(self, policy: str) -> tuple:
-        """Smaller runs first: arrival order, or (priority, arrival) under 'priority'."""
+        """Smaller runs first: arrival order, or (priority, arrival) under 'priority'.
+
+        The request id breaks ties (the n children of a request arrive together): the order must
+        be total, or two tied requests can take turns preempting themselves and neither finishes.
+        """
         if policy == "priority":
-            return (self.priority, self.arrival_time)
-        return (self.arrival_time,)
+            return (self.priority, self.arrival_time, self.request_id)
+        return (self.arrival_time, self.request_id)
 
     def __repr__(self) -> str:
         return (
