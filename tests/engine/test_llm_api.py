@@ -124,3 +124,15 @@ def test_min_tokens_holds_back_eos(llm):
     held = llm.generate("hi", SamplingParams(min_tokens=4, **forced), use_tqdm=False)[0].outputs[0]
     assert len(held.token_ids) == 5 and held.token_ids[-1] == eos and eos not in held.token_ids[:4]
     assert held.finish_reason == "stop"
+
+
+def test_a_refused_prompt_leaves_none_of_the_call_behind(llm):
+    """As vLLM: when a later prompt is refused, the prompts of the same call added before it are aborted, so the
+    next call runs alone (the first prompt stayed waiting in the engine, and ran with the next call)."""
+    too_long = {"prompt_token_ids": [7] * 300}  # max_model_len 256
+    with pytest.raises(ValueError, match="256"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, too_long], SamplingParams(max_tokens=2), use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    outs = llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(outs) == 1 and not engine.has_unfinished_requests()

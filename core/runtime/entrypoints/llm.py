@@ -74,10 +74,15 @@ class LLM:
         params = [final_only[id(sp)] for sp in params]
         engine = self.llm_engine
         ids = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, sp, priority[i] if priority else 0)
-            ids.append(request_id)
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                request_id = engine.next_request_id()
+                engine.add_request(request_id, prompt, sp, priority[i] if priority else 0)
+                ids.append(request_id)
+        except BaseException:  # a prompt refused: the ones added before it must not stay in the engine
+            if ids:
+                engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(
