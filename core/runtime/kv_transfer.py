@@ -22,6 +22,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
+class RequestInputError(str):
+    """A reason a connector fails a request with (``get_finished_recving`` / ``get_finished_loading``)
+    that the request's own input caused, e.g. malformed ``kv_transfer_params``: the client gets a 400.
+    A plain ``str`` reason is a failure on the server's side (a transfer that failed): a 500."""
+
+
 class KVConnectorRole(str, enum.Enum):
     SCHEDULER = "scheduler"
     WORKER = "worker"
@@ -41,7 +47,8 @@ class KVConnectorScheduler(Protocol):
     ``block_evicted(block_id, block_hash)`` (a cached block is taken for reuse this step),
     ``has_pending_work()`` (a step is still needed to save blocks), ``get_stats()``
     (cumulative counters for the scheduler stats and /metrics), ``get_finished_recving()``
-    (requests whose asynchronous loads ended: request id -> None or why it failed),
+    (requests whose asynchronous loads ended: request id -> None or why it failed: a
+    :class:`RequestInputError` when the request's input caused it, else a ``str``),
     ``loads_in_background(request)`` (the tokens this lookup counted are written while steps run
     without the request: it gets blocks for them alone, kept out of the prefix cache, and waits
     holding them), ``get_finished_loading()`` (those background loads that ended: a set of request

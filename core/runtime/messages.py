@@ -87,11 +87,14 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     # Stats for /metrics: running, waiting, kv usage, prefix hits/queries.
     scheduler_stats: dict | None = None
     error: str | None = None
-    # Requests the core ended because their input turned out bad after they were added
-    # (a grammar that does not compile): request id -> why. Front ends raise ValueError.
+    # Requests the core ended after they were added: request id -> why. Front ends raise ValueError
+    # (their input turned out bad: a grammar that does not compile) ...
     failed: dict[str, str] | None = None
     # The step's plain one-token outputs (a request is in ``outputs`` or here, never both).
     new_tokens: NewTokens | None = None
+    # ... or, for those of ``failed`` listed here, RequestFailedError: the server failed them (a KV
+    # transfer that failed), not their input.
+    server_failed: list[str] | None = None
 
 
 # ---------------------------------------------------------------- one engine step

@@ -43,8 +43,13 @@ def params(kv_transfer_params: dict, max_tokens: int = 4):
 
 def test_fail_mode_fails_the_request_with_a_clear_error(fail_mode_llm):
     dead = free_port()  # nothing listens there
-    with pytest.raises(ValueError, match=rf"KV transfer from the prefill instance at 127.0.0.1:{dead} failed: no answer within 0.5 s"):
+    from runtime.engine.core_client import RequestFailedError
+
+    # the server's failure, not the caller's input: RequestFailedError (a 500 on the server), not ValueError (a 400)
+    with pytest.raises(RequestFailedError, match=rf"KV transfer from the prefill instance at 127.0.0.1:{dead} failed: "
+                                                 r"no answer within 0.5 s") as info:
         fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params(remote_params(dead)), use_tqdm=False)
+    assert not isinstance(info.value, ValueError)
     core = fail_mode_llm.llm_engine.engine_core
     assert not core.has_unfinished_requests() and core.scheduler.kv_cache_manager.usage() == 0.0
 
@@ -108,7 +113,10 @@ def test_a_prefill_instance_refuses_a_decode_instance_of_another_block_order(tin
     decode_layout = fail_mode_llm.llm_engine.engine_core.scheduler.kv_connector.connector.puller.layout
     assert producer.llm_engine.engine_core.scheduler.kv_connector.connector.layout != decode_layout
     out = producer.generate([{"prompt_token_ids": PROMPT}], params({"do_remote_decode": True}, 1), use_tqdm=False)[0]
-    with pytest.raises(ValueError, match=r"different model layout \(.*order of a block's bytes\)"):
+    from runtime.engine.core_client import RequestFailedError
+
+    # the instances' configurations differ: the server's failure (a 500), not the caller's input
+    with pytest.raises(RequestFailedError, match=r"different model layout \(.*order of a block's bytes\)"):
         fail_mode_llm.generate([{"prompt_token_ids": PROMPT}], params(out.kv_transfer_params), use_tqdm=False)
     assert fail_mode_llm.llm_engine.engine_core.scheduler.kv_cache_manager.usage() == 0.0
     # a decode instance in the same order pulls the blocks and decodes on from them

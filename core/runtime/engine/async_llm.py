@@ -287,7 +287,7 @@ class AsyncLLM:
         queue = self._queues.get(request_id)
         self.abort(request_id)  # drop it and its siblings everywhere
         if queue is not None:
-            queue.put_nowait(ValueError(failure.message))
+            queue.put_nowait(failure.error())  # ValueError (the request's input) or RequestFailedError
 
     def _engine_died(self, error: EngineDeadError) -> None:
         self._dead_error = error

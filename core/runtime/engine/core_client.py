@@ -52,13 +52,22 @@ class EngineStartupError(RuntimeError):
     """The engine process failed before it was ready (bad model path, out of memory ...)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed one request for a reason on the server's side (a KV transfer that failed),
+    not its input: a 500 from the server, where an input error is a ValueError (a 400)."""
+
+
 @dataclass(frozen=True)
 class RequestFailure:
     """The engine core rejected one request: ValueError in add_request, or later (a grammar that
-    does not compile)."""
+    does not compile); ``server_side``: the server failed it (a KV transfer), not its input."""
 
     request_id: str
     message: str
+    server_side: bool = False
+
+    def error(self) -> Exception:
+        return RequestFailedError(self.message) if self.server_side else ValueError(self.message)
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -221,8 +230,8 @@ class EngineCoreClient(DeathState):
             if kind == core_proc.OUTPUTS:
                 return _outputs_decoder.decode(payload)
             if kind == core_proc.FAILED:
-                request_id, message = msgspec.msgpack.decode(payload)
-                return RequestFailure(request_id, message)
+                request_id, message, *server_side = msgspec.msgpack.decode(payload)
+                return RequestFailure(request_id, message, bool(server_side and server_side[0]))
             assert kind is None, f"unexpected engine message {kind!r}"
 
     async def _recv(self, timeout_s: float) -> tuple[bytes | None, bytes]:

@@ -43,7 +43,7 @@ SHUTDOWN = b"SHUTDOWN"
 # Output kinds (engine -> API)
 READY = b"READY"
 OUTPUTS = b"OUTPUTS"
-FAILED = b"FAILED"  # payload: [request_id, message]; the core rejected one request
+FAILED = b"FAILED"  # payload: [request_id, message(, server_side)]; the core failed one request
 FATAL = b"FATAL"  # payload: message; the engine is going down
 
 _IDLE_POLL_MS = 500  # while idle, check this often that the API process still lives
@@ -122,10 +122,11 @@ class EngineCoreProc:
 
     def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.failed:
+            server_failed = set(outputs.server_failed or ())
             for request_id, message in outputs.failed.items():
                 client = self._owner.pop(request_id, 0)
-                self.outputs[client].send_multipart([FAILED, encode([request_id, message])])
-            outputs.failed = None
+                self.outputs[client].send_multipart([FAILED, encode([request_id, message, request_id in server_failed])])
+            outputs.failed = outputs.server_failed = None
         outputs.timestamp = time.time()
         self._last_stats = outputs.scheduler_stats
         if len(self.outputs) > 1:

@@ -7,6 +7,7 @@ import itertools
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
 from runtime.engine.core import EngineCore
+from runtime.engine.core_client import RequestFailure
 from runtime.engine.input_processor import InputProcessor, PromptType
 from runtime.engine.output_processor import OutputProcessor
 from runtime.engine.parent_request import ParentRequest, fan_out
@@ -61,14 +62,16 @@ class LLMEngine:
             self.stat_logger.forget(ids if ids is not None else request_ids)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; raises ValueError when the core failed a request (a grammar that does not compile)."""
+        """One engine step; raises ValueError when the core failed a request for its input (a grammar that does
+        not compile), RequestFailedError when for the server's sake (a KV transfer that failed)."""
         outputs = self.engine_core.step()
         if outputs.failed:
             self.output_processor.abort_requests(list(outputs.failed))
             if self.stat_logger is not None:
                 self.stat_logger.forget(outputs.failed)
             request_id, message = next(iter(outputs.failed.items()))
-            raise ValueError(f"request {request_id}: {message}")
+            failure = RequestFailure(request_id, f"request {request_id}: {message}", request_id in (outputs.server_failed or ()))
+            raise failure.error()
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.new_tokens)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

@@ -13,6 +13,7 @@ A KV connector (offload tiers, prefill/decode transfer) joins through
 from __future__ import annotations
 
 from runtime.config import CacheConfig, SchedulerConfig
+from runtime.kv_transfer import RequestInputError
 from runtime.messages import CachedRequestData, EngineCoreOutputs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from runtime.scheduler.kv_cache_manager import KVCacheManager
 from runtime.scheduler.kv_connector import SchedulerConnector
@@ -47,6 +48,7 @@ class Scheduler:
         self.structured_output = structured_output
         self.waiting_for_grammar: list[Request] = []  # constrained requests whose grammar compiles
         self.failed: dict[str, str] = {}  # request id -> why, ended since the last update_from_output
+        self.server_failed: list[str] = []  # those of them the server failed (not their input)
         # Every stop token id of every request added: a sampled token outside it ends no request
         # (one small set to test a decode step's tokens against, not one set per request).
         self.any_stop_ids: set[int] = set()
@@ -135,7 +137,7 @@ class Scheduler:
             try:
                 ready = self.structured_output.poll(request.grammar)
             except ValueError as exc:
-                self._fail(request, str(exc))
+                self._fail(request, str(exc), server_side=False)
                 continue
             (self.waiting if ready else still).append(request)
         self.waiting_for_grammar = still
@@ -146,12 +148,13 @@ class Scheduler:
         self.waiting[:0] = first
         self.waiting.extend(last)
         for request, why in failed:
-            self._fail(request, why)
+            self._fail(request, why, server_side=not isinstance(why, RequestInputError))
 
-    def _fail(self, request: Request, why: str) -> None:
+    def _fail(self, request: Request, why: str, server_side: bool) -> None:
         request.status = RequestStatus.FINISHED_ABORTED
         self._free(request)
-        self.failed[request.request_id] = why
+        self.failed[request.request_id] = str(why)
+        self.server_failed += [request.request_id] if server_side else []
 
     # ---------------------------------------------------------------- schedule
     def _preempt_one(self, first_candidate: int) -> Request:
@@ -368,10 +371,11 @@ class Scheduler:
                 output.kv_transfer_params = self._free(self.requests[output.request_id])
         if finished:
             self.running[:] = [r for r in self.running if r.request_id not in finished]
-        failed, self.failed = self.failed, {}
+        (failed, self.failed), (server_failed, self.server_failed) = (self.failed, {}), (self.server_failed, [])
         if self.kv_connector is not None:
             self.kv_connector.step_done(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(), failed=failed or None, new_tokens=new_tokens)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(), failed=failed or None, new_tokens=new_tokens,
+                                 server_failed=server_failed or None)
 
     def _observe_drafts(self, num_drafts: int, num_accepted: int) -> None:
         """Count one request's verified drafts (stats start at the first, even with no proposer set)."""

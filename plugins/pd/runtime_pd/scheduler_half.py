@@ -22,7 +22,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from runtime.kv_transfer import KVConnectorMetadata
+from runtime.kv_transfer import KVConnectorMetadata, RequestInputError
 from runtime.scheduler.request import RequestStatus
 
 from runtime_pd.lease import Leases
@@ -103,6 +103,7 @@ class TcpConnectorScheduler:
         if state is None:
             bad = malformed_reason(params)
             if bad is not None:  # a client error, whatever on_transfer_failure says (and no lease to free)
+                bad = RequestInputError(bad)  # a 400, where a failed transfer is the server's (a 500)
                 self.pulls[request.request_id] = bad
                 self.rejected.add(request.request_id)
                 self.puller.ended.append((request.request_id, bad))
@@ -161,7 +162,7 @@ class TcpConnectorScheduler:
         if params.get("block_size") != self.block_size or len(params["remote_block_ids"]) != -(-num_tokens // self.block_size):
             return f"the prefill instance's block size {params.get('block_size')} differs from this one's {self.block_size}"
         if num_tokens >= request.num_prompt_tokens or prompt_digest(request.prompt_token_ids[:num_tokens]) != params.get("prompt_digest"):
-            return "the prompt differs from the one the prefill instance computed"
+            return RequestInputError("the prompt differs from the one the prefill instance computed")  # the client's
         return None
 
     def _drop(self, request, state, why: str) -> None:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.engine.core_client import EngineDeadError
+from runtime.engine.core_client import EngineDeadError, RequestFailedError
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from runtime.entrypoints.openai.responses import ErrorInfo, ErrorResponse
 
@@ -70,6 +70,9 @@ def from_exception(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, ValueError):
         return OpenAIError(str(exc), 400, param=getattr(exc, "param", None) or param_of(str(exc)))
+    if isinstance(exc, RequestFailedError):  # the server's failure, not the request's: a client may retry it
+        logger.warning("a request failed on the server's side: %s", exc)
+        return OpenAIError(str(exc), 500, code="request_failed")
     if isinstance(exc, EngineDeadError):
         return OpenAIError(f"the engine is not running: {exc}", 503, code="engine_dead")
     logger.error("internal error answering a request", exc_info=exc)
