@@ -170,8 +170,10 @@ def _size_texts(value: Any) -> list[str]:
 
 def _count(key: str, value: Any) -> int:
     """A positive integer of kv_connector_extra_config, or an error naming the key and the value."""
+    from runtime.engine_arg_checks import invalid
+
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"kv_connector_extra_config {key} must be a positive integer, got {value!r}")
+        raise invalid(f"kv_connector_extra_config {key}", value, "a positive integer")
     return value
 
 

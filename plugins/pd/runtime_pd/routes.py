@@ -38,6 +38,6 @@ def add_release_route(app: FastAPI) -> None:
 
 
 def _error(message: str) -> JSONResponse:
-    from runtime.entrypoints.openai.errors import OpenAIError
+    from runtime.entrypoints.openai.errors import OpenAIError, error_response
 
-    return JSONResponse(OpenAIError(message, 400, param="kv_transfer_params").body(), status_code=400)
+    return error_response(None, OpenAIError(message, 400, param="kv_transfer_params"))
