@@ -74,14 +74,23 @@ class WorkerProcesses:
         init_method = f"file://{self.dir}/dist-store"
         context = worker_context()
         self.processes = []
-        for rank in range(world_size):
-            process = context.Process(
-                target=worker_proc.run_worker, args=(config, rank, init_method, self.socket.address, os.getpid(), dict(os.environ)),
-                name=f"Worker-{rank}", daemon=True,
-            )
-            process.start()
-            logger.info("worker rank %d started (pid %d)", rank, process.pid)
-            self.processes.append(process)
+        try:
+            for rank in range(world_size):
+                process = context.Process(
+                    target=worker_proc.run_worker,
+                    args=(config, rank, init_method, self.socket.address, os.getpid(), dict(os.environ)),
+                    name=f"Worker-{rank}", daemon=True,
+                )
+                process.start()
+                logger.info("worker rank %d started (pid %d)", rank, process.pid)
+                self.processes.append(process)
+        except BaseException:
+            # The ranks started so far would wait for the missing one (they are not serving yet,
+            # so no shutdown call reaches them) and the socket and folder would stay behind.
+            for process in self.processes:
+                process.kill()
+            self.close()
+            raise
 
     def dead_worker(self) -> str | None:
         for rank, process in enumerate(self.processes):
