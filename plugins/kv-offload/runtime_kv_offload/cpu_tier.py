@@ -42,7 +42,14 @@ class CpuTier:
                 f"--kv-offload-size for the cpu tier ({self.size_bytes} bytes) holds no block; one block takes {block_bytes} bytes"
             )
         if allocate:
-            self.pool = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin)
+            try:
+                self.pool = torch.empty((num_slots, block_bytes), dtype=torch.uint8, pin_memory=pin)
+            except RuntimeError as exc:  # torch's allocator errors (pinned memory too) name no flag
+                raise ValueError(
+                    f"--kv-offload-size for the cpu tier: its pool of {num_slots} blocks ({num_slots * block_bytes} "
+                    f"bytes{' of pinned memory' if pin else ''}) cannot be allocated on this host; give a smaller size "
+                    f"({str(exc).strip().splitlines()[-1]})"
+                ) from None
         self.num_slots = num_slots
         self.policy = POLICIES[self.policy_name](num_slots)
         self.free_slots = list(range(num_slots - 1, -1, -1))

@@ -7,6 +7,13 @@ are stable across processes (:mod:`runtime.scheduler.block_hash`), so a restarte
 finds the blocks its predecessor wrote. A file is ``MAGIC | crc32 | payload length |
 payload``; one that fails the check is deleted and reported as a miss (the tokens are then
 recomputed). A full tier (its cap, or the disk itself) evicts its least recently used files.
+
+A file's modification time is its last use (set when it is written and again on every read),
+so a restarted engine evicts by last use, not by write time. A block is written to a
+temporary file (``<name>.kvb.<host>.<pid>.<thread>.tmp``) renamed into place; the temporaries a
+killed engine left behind are deleted at start-up: those of a process of this host that is
+gone (or of this very process, which writes none yet) and any older than an hour (another
+host's). A write in flight is never touched.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import socket
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 
@@ -26,6 +35,10 @@ logger = logging.getLogger(__name__)
 MAGIC = b"RTKVBLK1"
 HEADER = struct.Struct("<8sIQ")  # magic, crc32 of the payload, payload length
 SUFFIX = ".kvb"
+TMP_SUFFIX = ".tmp"
+STALE_TMP_S = 3600  # a temporary file this old belongs to no write in flight, whoever wrote it
+HOST = socket.gethostname()
+_writing: set[str] = set()  # this process's temporary files being written (every DiskTier's)
 
 
 class DiskTier:
@@ -44,7 +57,8 @@ class DiskTier:
         self.lock = threading.Lock()
 
     def bind(self, block_bytes: int, layout_key: str, pin: bool = False) -> None:
-        """Open ``DIR/<layout_key>`` and index the block files already there (oldest first)."""
+        """Open ``DIR/<layout_key>``, delete the temporaries a killed engine left there, and index the
+        block files already there (least recently used first)."""
         if self.size_bytes < HEADER.size + block_bytes:
             raise ValueError(
                 f"--kv-offload-size for the disk tier ({self.size_bytes} bytes) holds no block; one block file takes "
@@ -59,6 +73,9 @@ class DiskTier:
             if not os.path.isdir(folder):
                 continue
             for name in os.listdir(folder):
+                if name.endswith(TMP_SUFFIX):
+                    _remove_if_stale(os.path.join(folder, name))
+                    continue
                 if not name.endswith(SUFFIX):
                     continue
                 try:
@@ -66,7 +83,7 @@ class DiskTier:
                     stat = os.stat(os.path.join(folder, name))
                 except (ValueError, OSError):  # not a block file, or deleted meanwhile (an engine sharing the folder)
                     continue
-                found.append((stat.st_mtime, block_hash, stat.st_size))
+                found.append((stat.st_mtime_ns, block_hash, stat.st_size))
         for _, block_hash, size in sorted(found):
             self.files[block_hash] = size
             self.total_bytes += size
@@ -99,15 +116,18 @@ class DiskTier:
         with self.lock:
             if block_hash in self.files:
                 self.files.move_to_end(block_hash)
+                _mark_used(self._path(block_hash))
                 return
             self._evict_to(self.size_bytes - len(blob))
         path = self._path(block_hash)
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp = f"{path}.{HOST}.{os.getpid()}.{threading.get_ident()}{TMP_SUFFIX}"
         for attempt in range(2):
+            _writing.add(tmp)
             try:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(tmp, "wb") as f:
                     f.write(blob)
+                _mark_used(tmp)
                 os.replace(tmp, path)
                 break
             except OSError as exc:
@@ -117,6 +137,8 @@ class DiskTier:
                     return
                 with self.lock:  # the disk is full before the cap: make room and retry once
                     self._evict_to(max(self.total_bytes - 4 * len(blob), 0))
+            finally:
+                _writing.discard(tmp)
         with self.lock:
             self.files[block_hash] = len(blob)
             self.total_bytes += len(blob)
@@ -138,6 +160,7 @@ class DiskTier:
             magic, crc, length = HEADER.unpack_from(blob)
             payload = memoryview(blob)[HEADER.size :]
             if magic == MAGIC and length == len(payload) == self.block_bytes and zlib.crc32(payload) == crc:
+                _mark_used(self._path(block_hash))  # the order a restarted engine evicts in
                 return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         self.num_checksum_failures += 1
         logger.warning("disk KV tier: block file %s fails its checksum; deleted (it will be recomputed)",
@@ -162,6 +185,42 @@ class DiskTier:
 
     def __len__(self) -> int:
         return len(self.files)
+
+
+def _mark_used(path: str) -> None:
+    """Set the file's modification time to now (its last use; file system timestamps are coarser)."""
+    now = time.time_ns()
+    try:
+        os.utime(path, ns=(now, now))
+    except OSError:
+        pass
+
+
+def _remove_if_stale(path: str) -> None:
+    """Delete a temporary block file that no write in flight owns: its writer (named in the file
+    name, on this host) is gone or is this process before it wrote it, or it is over an hour old."""
+    parts = os.path.basename(path)[: -len(TMP_SUFFIX)].split(SUFFIX + ".", 1)[-1].rsplit(".", 2)
+    stale = False
+    if len(parts) == 3 and parts[0] == HOST and parts[1].isdigit():
+        pid = int(parts[1])
+        stale = path not in _writing if pid == os.getpid() else not _alive(pid)
+    try:
+        stale = stale or time.time() - os.stat(path).st_mtime > STALE_TMP_S
+    except OSError:  # renamed or deleted meanwhile: its write ended
+        return
+    if stale:
+        logger.info("disk KV tier: deleting %s, left by a write that did not finish", path)
+        _remove(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. another user's process
+        return True
+    return True
 
 
 def _remove(path: str) -> None:

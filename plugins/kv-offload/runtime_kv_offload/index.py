@@ -88,9 +88,9 @@ class OffloadIndex:
         if self.pins[block_hash] > 0:
             return False
         del self.pins[block_hash]
+        self.origin.pop(block_hash, None)  # nobody is left to load it as a promoted block
         if block_hash in self.staged and block_hash not in self.unready:
             self.staged.discard(block_hash)
-            self.origin.pop(block_hash, None)
             return True
         return False
 
@@ -100,11 +100,14 @@ class OffloadIndex:
         self.unready.discard(block_hash)
         if ok:
             self.lower[tier_index].touch(block_hash)
-            if block_hash in self.staged and not self.pins[block_hash]:
+            if not self.pins[block_hash]:
                 # Nobody waits for it any more (its requests were aborted meanwhile): a staging
-                # buffer has no eviction, so it is freed now rather than kept for good.
-                self.staged.discard(block_hash)
-                return True
+                # buffer has no eviction, so it is freed now rather than kept for good; a block
+                # in a cpu slot stays there, a cpu block like any other (no origin to remember).
+                if block_hash in self.staged:
+                    self.staged.discard(block_hash)
+                    return True
+                return False
             self.origin[block_hash] = self.lower[tier_index].name
             return False
         for mirror in self.lower:

@@ -52,7 +52,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 def model_identity(config) -> str:
     """What a block's KV depends on besides its tokens and the cache layout, for the disk tier's folder
     name: the checkpoint (its absolute folder, and the size and modification time of its config and
-    weight files: a checkpoint replaced in place is another model), the quantization, the model's
+    weight files: a checkpoint replaced in place is another model; the GGUF file loaded), the quantization, the model's
     dtype and the load format (dummy weights: their seed). Blocks of another model are never read."""
     model = config.model_config
     resolved = getattr(model, "resolved", None)
@@ -61,8 +61,12 @@ def model_identity(config) -> str:
              if name == "config.json" or name.endswith(WEIGHT_SUFFIXES)] if os.path.isdir(folder) else [folder]
     files = [(os.path.basename(path), stat.st_size, stat.st_mtime_ns) for path in paths if (stat := _stat(path))]
     load_format = config.load_config.load_format
-    return repr((folder, files, model.quantization, str(model.dtype), load_format,
-                 model.seed if load_format == "dummy" else None))
+    identity = (folder, files, model.quantization, str(model.dtype), load_format,
+                model.seed if load_format == "dummy" else None)
+    gguf_file = getattr(model, "gguf_file", None)
+    if gguf_file:  # a folder may hold several GGUF files (other quantizations of the model): which one is loaded
+        identity += (os.path.basename(gguf_file),)
+    return repr(identity)
 
 
 def _stat(path: str):
