@@ -317,6 +317,9 @@ def _resolve_tiers(tiers: Any, sizes: Any, directory: str | None, policy: str | 
     if policy not in EVICTION_POLICIES:
         raise ValueError(f"--kv-offload-policy {policy!r} is not valid; choose one of: {', '.join(EVICTION_POLICIES)}")
     directory = directory or extra.get("dir")
+    if directory and set(tier_names) <= {"cpu"}:  # no tier reads it: a forgotten ",disk" would go unnoticed
+        raise ValueError(f"--kv-offload-dir {directory!r} is for the disk tier, which --kv-offload {','.join(tier_names)} "
+                         f"does not list; add it (e.g. --kv-offload {','.join(tier_names)},disk) or drop --kv-offload-dir")
     if "disk" in tier_names:
         directory = check_writable_dir(directory)
     if num_cpu_blocks is not None and "cpu" in tier_names:

@@ -70,6 +70,14 @@ def test_disk_tier_needs_a_writable_directory(tmp_path):
             resolve_kv_offload(args(kv_offload="disk", kv_offload_dir=str(locked)))
 
 
+def test_a_directory_without_the_disk_tier_is_refused(tmp_path):
+    # `--kv-offload cpu --kv-offload-dir X` used to run with no disk tier at all, silently
+    with pytest.raises(ValueError, match=r"--kv-offload-dir '.*' is for the disk tier, which --kv-offload cpu does not "
+                                         r"list; add it \(e.g. --kv-offload cpu,disk\)"):
+        resolve_kv_offload(args(kv_offload="cpu", kv_offload_dir=str(tmp_path)))
+    assert resolve_kv_offload(args(kv_offload="cpu,disk", kv_offload_dir=str(tmp_path)))["dir"] == str(tmp_path)
+
+
 def test_vllm_kv_transfer_config_spelling(tmp_path):
     config = ('{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
               f'{{"tiers": "cpu,disk", "size": "1GiB,2GiB", "dir": "{tmp_path}", "policy": "arc"}}}}')
