@@ -1,0 +1,322 @@
+// Design 6 of W3's FP8 GEMV chain in one persistent launch (benchmarks/megakernel/flow_chain.py; RESULTS.md,
+// session 36): design 5 (ring_chain.cu, compiled before this file, whose helpers it uses) without grid barriers.
+// Ops meet by data instead. Each 2,048-row chunk of an op's output has a counter; a block's stager warps stage chunk c
+// of the next op's x into one of two x buffers as soon as the rows it holds are all stored, and the consumers wait in shared memory for the chunk they compute, not for
+// the whole op. So a block done early with op j starts op j + 1 on the chunks that are ready.
+//
+// No consumer warp fences (a fence in a warp with copies in flight stalls its stream): a consumer hands each finished
+// super-tile's two rows to the block's releaser warp in one 64-bit shared store tagged with the tile's number; the
+// releaser stores them, fences and raises the chunk's counter (red.release.gpu).
+//
+// The products: FP8 weights to float16 pairs (cvt.rn.f16x2.e4m3x2, exact), x staged as float16 (exact: bf16 values
+// under a power-of-two scale a chunk that keeps them in float16's range), mma.m16n8k16 with float32 sums, the mma
+// arranged as in ring_chain.cu's mma_e4m3 (the diagonal of C). On sm_90 that PTX mma on e4m3 is itself converted to
+// float16 HMMAs, x included; staging x as float16 once a block saves a third of the conversions.
+//
+// Work order: a block's super-tiles (16 rows) of op j, group[j] (<= 8) at a time, chunk-major within the group: a
+// large group lets the op start on its x's first chunk while the previous op finishes the rows of the next chunks; a
+// group of 1 finishes the op's rows early, chunk by chunk, for the next op. The super-tiles are dealt round-robin over
+// the ops' concatenation (as in design 5).
+namespace flow_chain {
+using namespace gemv_common;
+using ring_chain::commit;
+using ring_chain::copy16;
+using ring_chain::kControl;
+using ring_chain::kConsumers;
+using ring_chain::kKc;
+using ring_chain::kRows;
+using ring_chain::wait_groups;
+
+constexpr int kMaxChunks = 7;  // k <= 14,336
+constexpr int kMaxGroup = 8;
+constexpr int kCounters = 16;  // chunk counters an op: n <= 32,768
+constexpr int kChunkVectors = kKc / 8;  // 16-byte vectors of a 16-bit chunk of x: the same for bf16 in and f16 out
+constexpr int kStagers = kControl - 32;  // control warps 1-3; warp 0 stores rows and raises the counters
+constexpr int kTiles = 64;  // the ring of finished super-tiles a block hands from its consumers to its releaser
+
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned int load_relaxed(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int load_acquire_cta(const volatile int* p) {
+  int v;
+  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(ring_chain::smem_addr(const_cast<int*>(p))) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_cta(volatile int* p, int v) {
+  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(ring_chain::smem_addr(const_cast<int*>(p))), "r"(v) : "memory");
+}
+// A = rows g (a0, a2) and g + 8 (a1, a3) of a 16 x 16 float16 tile, B = its 16 x 8 transposed column block.
+__device__ __forceinline__ void mma_f16(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
+                                        unsigned int b0, unsigned int b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// 4 FP8 codes to two float16 pairs: bytes 0-1 to lo, 2-3 to hi (the lower byte to the lower half).
+__device__ __forceinline__ void e4m3_pairs(unsigned int word, unsigned int& lo, unsigned int& hi) {
+  asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;}"
+      : "=r"(lo), "=r"(hi) : "r"(word));
+}
+__device__ __forceinline__ unsigned int f16x2(float lo, float hi) {
+  unsigned int v;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
+  return v;
+}
+__device__ __forceinline__ unsigned long long now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A block's work, one unit at a time: chunk c of super-tile st0 + g * grid of op j, in a group of gs super-tiles
+// from st0 (chunk-major within the group). Super-tiles past an op's end carry on into the next op (round-robin over
+// the ops' concatenation).
+struct Unit {
+  int j, st0, gs, c, g;
+  __device__ __forceinline__ int st() const { return st0 + g * static_cast<int>(gridDim.x); }
+};
+struct Walk {
+  const int *n, *k, *group;
+  int num_ops;
+  __device__ __forceinline__ int supers(int j) const { return (n[j] + kRows - 1) / kRows; }
+  __device__ __forceinline__ bool start_group(Unit& u) const {
+    while (u.j < num_ops && u.st0 >= supers(u.j)) u.st0 -= supers(u.j), ++u.j;
+    if (u.j >= num_ops) return false;
+    u.gs = min(group[u.j], (supers(u.j) - 1 - u.st0) / static_cast<int>(gridDim.x) + 1);
+    u.c = u.g = 0;
+    return true;
+  }
+  __device__ __forceinline__ bool first(Unit& u) const {
+    u = Unit{0, static_cast<int>(blockIdx.x), 0, 0, 0};
+    return start_group(u);
+  }
+  __device__ __forceinline__ bool next(Unit& u) const {
+    if (++u.g < u.gs) return true;
+    u.g = 0;
+    if (++u.c < k[u.j] / kKc) return true;
+    u.st0 += u.gs * gridDim.x;
+    return start_group(u);
+  }
+};
+
+// counters: [num_ops][kCounters], zero at the launch. waits (or null): [blocks][2] ns: consumer warp 0's time waiting
+// for staged chunks, and the stagers' time waiting for chunk counters.
+// ACC: independent accumulators a unit (the 16 mmas of a unit in ACC chains rather than one). MODE 0: normal; 1: no
+// weight copies (the arithmetic on whatever the ring holds); 2: no arithmetic (the copies, staging and waits alone).
+// Modes 1 and 2 give wrong results.
+template <int STAGES, int ACC = 1, int MODE = 0>
+__global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
+    const long long* w, const long long* s, const long long* x, const long long* o, const int* n, const int* k,
+    const int* group, int num_ops, unsigned int* counters, unsigned long long* waits) {
+  constexpr int kShare = 2 * kKc / 16;
+  extern __shared__ __align__(128) uint4 ring[];  // [kWarps][STAGES][kShare], then x as f16: [2][kMaxChunks][256]
+  uint4* xq = ring + kWarps * STAGES * kShare;
+  __shared__ float x_scale[2][kMaxChunks];
+  __shared__ volatile int staged[2][kMaxChunks];  // the op whose chunk a buffer holds (-1: none yet)
+  __shared__ volatile int progress[kWarps];       // every consumer warp is through with the ops before this one
+  __shared__ float part[kWarps][kMaxGroup][2];    // lane 0's partial sums of its two rows, a super-tile of the group
+  __shared__ volatile unsigned long long tiles[kTiles][kWarps];  // (tile number + 1) << 32 | the warp's 2 rows, bf16
+  __shared__ float chunk_max[kStagers / 32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x < 2 * kMaxChunks) staged[threadIdx.x / kMaxChunks][threadIdx.x % kMaxChunks] = -1;
+  if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < kTiles * kWarps; i += blockDim.x) tiles[i / kWarps][i % kWarps] = 0;
+  __syncthreads();
+  const Walk walk{n, k, group, num_ops};
+
+  if (warp == kWarps) {  // the releaser: stores each finished super-tile's rows, then counts them in their chunk
+    Unit u;
+    unsigned int q = 0;  // super-tiles finished, in the consumers' order
+    for (bool more = walk.first(u); more; more = walk.next(u)) {
+      if (u.c + 1 != k[u.j] / kKc) continue;  // a super-tile's rows are finished with its last chunk
+      const int st = u.st(), nj = n[u.j];
+      if (lane < kWarps) {
+        unsigned long long v;
+        do {
+          v = tiles[q % kTiles][lane];
+        } while (static_cast<unsigned int>(v >> 32) != q + 1);
+        const int row = st * kRows + 2 * lane;
+        bf16* out = reinterpret_cast<bf16*>(o[u.j]);
+        if (row + 1 < nj) {
+          *reinterpret_cast<unsigned int*>(out + row) = static_cast<unsigned int>(v);
+        } else if (row < nj) {
+          out[row] = bf16{static_cast<unsigned short>(v & 0xFFFF)};
+        }
+        __threadfence();
+      }
+      __syncwarp();
+      if (lane == 0) {
+        const unsigned int rows = min(kRows, nj - st * kRows);
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counters + u.j * kCounters + st * kRows / kKc), "r"(rows) : "memory");
+      }
+      ++q;
+    }
+    return;
+  }
+  if (warp > kWarps) {  // the stagers: every op's x, chunk by chunk, in order
+    const int ct = threadIdx.x - kConsumers - 32;
+    unsigned long long waited = 0;
+    for (int j = 0; j < num_ops; ++j) {
+      const int buf = j & 1;
+      if (j >= 2 && ct == 0) {  // the buffer held op j - 2's x: every consumer warp must be through with it
+        for (int i = 0; i < kWarps; ++i)
+          while (load_acquire_cta(progress + i) < j - 1) {
+          }
+      }
+      for (int c = 0; c < k[j] / kKc; ++c) {
+        if (j > 0 && ct == 0) {
+          const unsigned int need = min(kKc, n[j - 1] - c * kKc);
+          const unsigned long long t0 = waits != nullptr ? now() : 0;
+          // relaxed polls (an acquire load invalidates the SM's L1 each time), one acquire once it is there
+          const unsigned int* counter = counters + (j - 1) * kCounters + c;
+          while (load_relaxed(counter) < need) __nanosleep(32);
+          load_acquire(counter);
+          if (waits != nullptr) waited += now() - t0;
+        }
+        asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
+        const uint4* src = reinterpret_cast<const uint4*>(x[j]) + c * kChunkVectors;
+        constexpr int kEach = (kChunkVectors + kStagers - 1) / kStagers;
+        uint4 v[kEach];
+        float m = 0.0f;
+#pragma unroll
+        for (int u = 0; u < kEach; ++u) {
+          if (ct + u * kStagers >= kChunkVectors) continue;
+          v[u] = __ldcg(src + ct + u * kStagers);
+          const unsigned int words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            m = fmaxf(m, fmaxf(fabsf(__uint_as_float(words[q] << 16)), fabsf(__uint_as_float(words[q] & 0xFFFF0000u))));
+        }
+        m = warp_max(m);
+        if (lane == 0) chunk_max[warp - kWarps - 1] = m;
+        asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
+        m = fmaxf(fmaxf(chunk_max[0], chunk_max[1]), chunk_max[2]);
+        // x / 2^(e - 14) with |x| max in [2^e, 2^(e + 1)): below 2^15, in float16's range, and exact
+        const int e = m > 0.0f ? max(static_cast<int>((__float_as_uint(m) >> 23) & 0xFF) - 127, -100) : 14;
+        const float inv = __uint_as_float(static_cast<unsigned int>(14 - e + 127) << 23);
+        // lane l of a consumer reads x's 16 values of vector 32 i + l as two 16-byte halves, 32 lanes apart
+        uint4* out = xq + (buf * kMaxChunks + c) * kChunkVectors;
+#pragma unroll
+        for (int u = 0; u < kEach; ++u) {
+          if (ct + u * kStagers >= kChunkVectors) continue;
+          const unsigned int words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+          float f[8];
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            f[2 * q] = __uint_as_float(words[q] << 16) * inv, f[2 * q + 1] = __uint_as_float(words[q] & 0xFFFF0000u) * inv;
+          const int vi = ct + u * kStagers, p = vi >> 1;
+          out[(p >> 5) * 64 + (vi & 1) * 32 + (p & 31)] = make_uint4(f16x2(f[0], f[1]), f16x2(f[2], f[3]), f16x2(f[4], f[5]), f16x2(f[6], f[7]));
+        }
+        if (ct == 0) x_scale[buf][c] = __uint_as_float(static_cast<unsigned int>(e - 14 + 127) << 23);
+        asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
+        if (ct == 0) store_release_cta(&staged[buf][c], j);
+      }
+    }
+    if (waits != nullptr && ct == 0) waits[2 * blockIdx.x + 1] = waited;
+    return;
+  }
+
+  // The consumers: copies STAGES - 1 units ahead; products; a finished super-tile's two rows to the releaser.
+  uint4* slots = ring + warp * STAGES * kShare;
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  Unit ahead;
+  bool more = walk.first(ahead);
+  auto issue_next = [&](int slot) {
+    if (MODE == 1) {
+      if (more) more = walk.next(ahead);
+    } else if (more) {
+      const int kj = k[ahead.j], nj = n[ahead.j], st = ahead.st();
+      const uint4* wj = reinterpret_cast<const uint4*>(w[ahead.j]);
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = min(st * kRows + 2 * warp + rr, nj - 1);
+        const uint4* src = wj + (static_cast<long long>(row) * kj + ahead.c * kKc) / 16;
+#pragma unroll
+        for (int i = 0; i < kKc / 16 / 32; ++i)
+          copy16<true>(slots + slot * kShare + rr * (kKc / 16) + 32 * i + lane, src + 32 * i + lane, policy);
+      }
+      more = walk.next(ahead);
+    }
+    commit();
+  };
+  for (int i = 0; i < STAGES - 1; ++i) issue_next(i);
+
+  Unit cur;
+  bool have = walk.first(cur);
+  int slot = 0, at_op = 0;
+  unsigned int q = 0;  // super-tiles finished
+  unsigned long long waited = 0;
+  while (have) {
+    issue_next(slot == 0 ? STAGES - 1 : slot - 1);
+    if (cur.j != at_op) {  // through with every op before cur.j: its x buffer may be restaged
+      at_op = cur.j;
+      if (lane == 0) progress[warp] = at_op;  // no fence: its reads of that buffer fed mmas issued before this
+    }
+    const int buf = cur.j & 1;
+    if (load_acquire_cta(&staged[buf][cur.c]) != cur.j) {
+      const unsigned long long t0 = waits != nullptr ? now() : 0;
+      while (load_acquire_cta(&staged[buf][cur.c]) != cur.j) {
+      }
+      if (waits != nullptr) waited += now() - t0;
+    }
+    wait_groups<STAGES - 1>();
+    const uint4* mine = slots + slot * kShare;
+    const uint4* xs = xq + (buf * kMaxChunks + cur.c) * kChunkVectors;
+    float accs[ACC][4] = {};
+#pragma unroll
+    for (int i = 0; i < (MODE == 2 ? 0 : kKc / 16 / 32); ++i) {
+      const uint4 a = mine[32 * i + lane], b = mine[kKc / 16 + 32 * i + lane], x0 = xs[64 * i + lane], x1 = xs[64 * i + 32 + lane];
+      const unsigned int aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+      const unsigned int xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        unsigned int a_lo, a_hi, b_lo, b_hi;
+        e4m3_pairs(aw[q], a_lo, a_hi);
+        e4m3_pairs(bw[q], b_lo, b_hi);
+        mma_f16(accs[(4 * i + q) % ACC], a_lo, b_lo, a_hi, b_hi, xw[2 * q], xw[2 * q + 1]);
+      }
+    }
+    float acc[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      acc[e] = accs[0][e];
+#pragma unroll
+      for (int a = 1; a < ACC; ++a) acc[e] += accs[a][e];
+    }
+    const int g = lane >> 2, t = lane & 3;
+    const bool holds = t == (g >> 1);
+    float r0 = warp_sum(holds ? ((g & 1) ? acc[1] : acc[0]) : 0.0f);
+    float r1 = warp_sum(holds ? ((g & 1) ? acc[3] : acc[2]) : 0.0f);
+    const bool last = cur.c + 1 == k[cur.j] / kKc;
+    if (lane == 0) {
+      const float xscale = x_scale[buf][cur.c];
+      r0 *= xscale, r1 *= xscale;
+      if (cur.c > 0) r0 += part[warp][cur.g][0], r1 += part[warp][cur.g][1];
+      if (!last) {
+        part[warp][cur.g][0] = r0, part[warp][cur.g][1] = r1;
+      } else {
+        const int row = cur.st() * kRows + 2 * warp, nj = n[cur.j];
+        const float* scale = reinterpret_cast<const float*>(s[cur.j]);
+        const unsigned int lo = row < nj ? bf16::round(r0 * scale[row]).bits : 0;
+        const unsigned int hi = row + 1 < nj ? bf16::round(r1 * scale[row + 1]).bits : 0;
+        tiles[q % kTiles][warp] = (static_cast<unsigned long long>(q + 1) << 32) | lo | (hi << 16);
+      }
+    }
+    q += last;
+    if (++slot == STAGES) slot = 0;
+    have = walk.next(cur);
+  }
+  wait_groups<0>();
+  if (lane == 0) progress[warp] = num_ops;
+  if (waits != nullptr && warp == 0 && lane == 0) waits[2 * blockIdx.x] = waited;
+}
+}  // namespace flow_chain
