@@ -2,13 +2,16 @@
 (2 logical CPUs, one per worker actor): TP=2 and PP=2 greedy tokens identical to one worker
 and to transformers, async scheduling included; ``runtime serve`` over the same cluster gives
 the same tokens, and a killed actor fails the request in flight naming its rank, without a
-hang; the executor flag's errors list ``ray`` among the valid names.
+hang; messages to the executor's TCP socket from anyone without its secret are dropped unread;
+the executor flag's errors list ``ray`` among the valid names.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
+import pickle
 import re
 import signal
 import threading
@@ -16,6 +19,7 @@ import time
 
 import pytest
 import ray
+import zmq
 
 from support.remote_server import SERVER_FLAGS, RemoteServer, stream
 from support.token_id_completions import concurrent_greedy_completions
@@ -127,6 +131,48 @@ def test_serve_over_ray_matches_and_a_killed_actor_fails_the_request(ray_cluster
     finally:
         server.stop()
     # The engine process was the actors' owner: Ray ends them and frees their bundles.
+    assert_resources_released()
+
+
+class Exploit:
+    """Unpickling it creates ``path``: the proof that a forged message was unpickled."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_messages_not_signed_with_the_executors_secret_are_dropped_unread(ray_cluster, llama, tmp_path, caplog):
+    """The socket listens on the node's address: a host that reaches it and sends a pickle (bare,
+    or signed with another secret) has it dropped with a warning, never unpickled; the actors'
+    signed traffic goes on, and the tokens are one worker's."""
+    from runtime.executor import signing
+
+    caplog.set_level(logging.WARNING, logger=signing.__name__)
+    path, prompts, _, one_worker = llama
+    marker = tmp_path / "pwned"
+    llm = LLM(path, executor="ray", tensor_parallel_size=2, **ENGINE)
+    core = llm.llm_engine.engine_core
+    ctx = zmq.Context()
+    intruder = ctx.socket(zmq.DEALER)
+    try:
+        intruder.connect(core.executor.workers.socket.address)
+        evil = pickle.dumps(Exploit(marker))
+        intruder.send_multipart([evil])
+        intruder.send_multipart([evil, signing.mac(signing.new_secret(), signing.REPLY, evil)])
+        check_outputs_equal(one_worker, [o.token_ids for o in generate(llm, prompts)], "ray tp=2 with an intruder")
+        dropped = lambda: sum("does not carry this executor's signature" in r.getMessage() for r in caplog.records)  # noqa: E731
+        deadline = time.monotonic() + 10.0
+        while dropped() < 2 and time.monotonic() < deadline:  # both read (and dropped) while waiting for the actors
+            core.executor.collective_rpc("attention_specs")
+        assert dropped() == 2, caplog.text
+        assert not marker.exists(), "the executor unpickled a message that its actors did not send"
+    finally:
+        intruder.close(linger=0)
+        ctx.term()
+        core.shutdown()
     assert_resources_released()
 
 

@@ -14,8 +14,11 @@ sockets (runtime.engine.dp_client balances the requests over them).
 Payloads are msgspec msgpack. The engine rebuilds its EngineConfig from the
 EngineArgs it is given (loading the model itself), says READY, then loops:
 block on input while idle, else drain input, step, and send the outputs (with
-scheduler stats for /metrics). A startup or step error is sent as FATAL before
-the process exits non-zero; a request the core rejects is sent as FAILED.
+scheduler stats for /metrics). While idle it also asks the executor whether its
+workers still live (``check_health``, when the executor has it), so that a worker
+that dies between requests brings the engine down at once. A startup, step or
+worker error is sent as FATAL before the process exits non-zero; a request the
+core rejects is sent as FAILED.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ OUTPUTS = b"OUTPUTS"
 FAILED = b"FAILED"  # payload: [request_id, message(, server_side)]; the core failed one request
 FATAL = b"FATAL"  # payload: message; the engine is going down
 
-_IDLE_POLL_MS = 500  # while idle, check this often that the API process still lives
+_IDLE_POLL_MS = 500  # while idle, check this often that the API process and the workers still live
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
@@ -81,6 +84,9 @@ class EngineCoreProc:
         self._owner: dict[str, int] = {}  # request id -> client index (only with several clients)
         self._last_stats: dict | None = None
         self._running = True
+        # Optional on executors (read with getattr): raises if a worker is gone. Cheap (no call
+        # to the workers), so asked on every idle pass; a busy step finds a dead worker itself.
+        self._check_workers = getattr(getattr(engine_core, "executor", None), "check_health", None)
 
     def run(self) -> None:
         while self._running:
@@ -91,6 +97,8 @@ class EngineCoreProc:
             else:
                 self._send_idle_stats()
                 self._drain_input(timeout_ms=_IDLE_POLL_MS)
+                if self._check_workers is not None:
+                    self._check_workers()
             self._check_parent()
 
     def _drain_input(self, timeout_ms: int) -> None:

@@ -19,6 +19,9 @@ class Executor(Protocol):
 
     ``execute_model_async`` is optional (read with ``getattr``): without it the engine
     runs steps one after the other, and ``--async-scheduling`` is turned off with a warning.
+    ``check_health()`` is optional too: when present, the engine process calls it on each pass
+    of its idle loop (every half second) and it raises if a worker is gone, naming it; it must
+    be cheap (look at the workers' liveness, send them nothing).
     """
 
     def initialize(self) -> int:

@@ -3,7 +3,9 @@
 Each call (``execute_model`` or any ``collective_rpc``) is pickled once and the same bytes
 go to every rank over a ZMQ ROUTER socket (one DEALER per worker, identity ``rank<N>``);
 the workers run it together (their collectives go through the platform's process group)
-and the ranks asked to answer reply ``(seq, rank, ok, result or error text)``. While
+and the ranks asked to answer reply ``(seq, rank, ok, result or error text)``. On a socket
+that other hosts can reach, a secret signs every message both ways
+(:mod:`runtime.executor.signing`): nothing unsigned is unpickled. While
 waiting, the executor asks its :class:`WorkerGroup` whether a worker died: a dead worker,
 or a call that fails on any rank, raises :class:`WorkerDied` naming the rank within a poll
 interval, never a hang.
@@ -14,6 +16,7 @@ A :class:`WorkerGroup` says how workers start, are watched and stop: local proce
 
 from __future__ import annotations
 
+import logging
 import pickle
 import time
 import weakref
@@ -22,9 +25,11 @@ from typing import Any, Protocol
 import zmq
 
 from runtime.config import EngineConfig
-from runtime.executor import worker_proc
+from runtime.executor import signing, worker_proc
 from runtime.messages import ModelRunnerOutput, SchedulerOutput
 from runtime.structured_output import resolve_bitmask
+
+logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often a wait looks at the workers
 STARTUP_TIMEOUT_S = 600.0
@@ -38,8 +43,10 @@ class WorkerDied(RuntimeError):
 class WorkerSocket:
     """The executor's ROUTER socket: sends a call to one rank, receives the ranks' replies."""
 
-    def __init__(self, address: str):
-        """``address``: ``ipc://path`` or ``tcp://host:port`` (port 0 or ``*``: any free port)."""
+    def __init__(self, address: str, secret: bytes | None = None):
+        """``address``: ``ipc://path`` or ``tcp://host:port`` (port 0 or ``*``: any free port);
+        ``secret``: sign the calls and accept only replies signed with it (the workers get it too)."""
+        self.secret = secret
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -50,11 +57,25 @@ class WorkerSocket:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the port chosen, for the workers
 
     def send(self, rank: int, data: bytes, wants_reply: bool) -> bool:
+        flag = b"1" if wants_reply else b"0"
+        frames = [worker_proc.identity(rank), flag, data]
+        if self.secret is not None:
+            frames.append(signing.mac(self.secret, signing.CALL, flag, data))
         try:
-            self.sock.send_multipart([worker_proc.identity(rank), b"1" if wants_reply else b"0", data], copy=False)
+            self.sock.send_multipart(frames, copy=False)
             return True
         except zmq.ZMQError:  # the worker's socket is gone (it died): the wait reports it
             return False
+
+    def recv(self) -> bytes | None:
+        """One worker's pickled reply, or None for a message that is not one (dropped, warned)."""
+        frames = self.sock.recv_multipart()[1:]  # without the sender's identity
+        if self.secret is not None:
+            frames = signing.checked(self.secret, signing.REPLY, frames, 1, "the executor")
+        elif len(frames) != 1:
+            logger.warning("dropped a message to the executor of %d frames (a reply has 1)", len(frames))
+            frames = None
+        return None if frames is None else frames[0]
 
     def send_shutdown(self, ranks) -> None:
         stop = pickle.dumps((0, worker_proc.SHUTDOWN, (), {}))
@@ -141,6 +162,15 @@ class BroadcastExecutor:
         if self.workers is not None:
             self._finalizer()
 
+    def check_health(self) -> None:
+        """Raise ``WorkerDied`` naming a worker that is gone; no call to the workers (the engine
+        asks this on every idle pass, so that a worker dying between steps is not left unnoticed)."""
+        if self.workers is None or self.workers.closed:
+            return
+        dead = self.workers.dead_worker()
+        if dead is not None:
+            raise WorkerDied(dead)
+
     # ---------------------------------------------------------------- messaging
     def _broadcast(self, method: str, args: tuple, kwargs: dict, reply_ranks: set[int]) -> int:
         if self.workers is None or self.workers.closed:
@@ -174,7 +204,9 @@ class BroadcastExecutor:
         while any((seq, rank) not in self._results for rank in ranks):
             if sock.poll(POLL_MS):
                 while sock.poll(0):
-                    _, data = sock.recv_multipart()
+                    data = self.workers.socket.recv()
+                    if data is None:
+                        continue
                     reply_seq, rank, ok, payload = pickle.loads(data)
                     if not ok and reply_seq not in self._failed:
                         self._give_up(reply_seq)

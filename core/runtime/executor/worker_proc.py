@@ -6,7 +6,8 @@ the calls the executor broadcasts, in order: a reply flag (``b"1"``: answer) and
 ``(seq, method, args, kwargs)`` pickled, the same bytes for every rank. A call answers
 ``(seq, rank, ok, result or error text)`` when asked to, and always when it fails. The
 process ends on ``shutdown``, or when its parent is gone. :func:`build_and_serve` is the
-same loop for a host that is not a child process (a Ray actor).
+same loop for a host that is not a child process (a Ray actor); given the executor's
+secret, it signs its replies and drops calls not signed with it (:mod:`runtime.executor.signing`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ SHUTDOWN = "shutdown"
 EXECUTE_MODEL = "execute_model"
 PARENT_POLL_MS = 1000
 IN_FLIGHT_POLL_S = 20e-6  # how often a worker with a step on the device looks for its end or the next call
+
+logger = logging.getLogger(__name__)
 
 
 def identity(rank: int) -> bytes:
@@ -63,32 +66,38 @@ def run_worker(config, rank: int, init_method: str, address: str, parent_pid: in
 
 
 def build_and_serve(
-    config, rank: int, init_method: str, address: str, parent_pid: int | None = None, local_rank: int | None = None
+    config, rank: int, init_method: str, address: str, parent_pid: int | None = None, local_rank: int | None = None,
+    secret: bytes | None = None,
 ) -> int:
     """Connect to the executor at ``address``, build the worker (``local_rank``: its device
-    index, default ``rank``), say hello, serve the calls; the exit code (0: shut down)."""
+    index, default ``rank``), say hello, serve the calls; the exit code (0: shut down).
+    ``secret``: the executor's, when its socket wants signed messages."""
     import zmq
+
+    from runtime.executor.signing import SignedDealer
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity(rank))
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(address)
+    if secret is not None:
+        sock = SignedDealer(sock, secret)
     try:
-        from runtime.worker.worker import Worker
+        try:
+            from runtime.worker.worker import Worker
 
-        worker = Worker(
-            config, local_rank=rank if local_rank is None else local_rank, rank=rank, distributed_init_method=init_method
-        )
-    except BaseException:  # noqa: BLE001 - report why, then exit
-        reply(sock, HELLO_SEQ, rank, False, traceback.format_exc())
-        exit_code = 1
-    else:
+            worker = Worker(
+                config, local_rank=rank if local_rank is None else local_rank, rank=rank, distributed_init_method=init_method
+            )
+        except BaseException:  # noqa: BLE001 - report why, then exit
+            reply(sock, HELLO_SEQ, rank, False, traceback.format_exc())
+            return 1
         reply(sock, HELLO_SEQ, rank, True, os.getpid())
-        exit_code = serve(worker, sock, rank, parent_pid)
-    sock.close()
-    ctx.term()
-    return exit_code
+        return serve(worker, sock, rank, parent_pid)
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def serve(worker, sock, rank: int, parent_pid: int | None) -> int:
@@ -113,10 +122,13 @@ def serve(worker, sock, rank: int, parent_pid: int | None) -> int:
                 continue
         elif not sock.poll(PARENT_POLL_MS):
             if parent_pid is not None and not is_alive(parent_pid):
-                logging.getLogger(__name__).warning("the engine process %d is gone; worker %d exits", parent_pid, rank)
+                logger.warning("the engine process %d is gone; worker %d exits", parent_pid, rank)
                 return 1
             continue
-        flag, data = sock.recv_multipart()
+        frames = sock.recv_multipart()
+        if frames is None:  # not the executor's (a signed socket dropped it)
+            continue
+        flag, data = frames
         wants_reply = flag == b"1"
         seq, method, args, kwargs = pickle.loads(data)
         if method == EXECUTE_MODEL:
@@ -133,12 +145,7 @@ def serve(worker, sock, rank: int, parent_pid: int | None) -> int:
             _answer(sock, rank, *in_flight)
             in_flight = None
         if method == SHUTDOWN:
-            try:
-                worker.shutdown()
-            finally:
-                from runtime.distributed import destroy_distributed
-
-                destroy_distributed()
+            _shut_down(worker, rank)
             reply(sock, seq, rank, True, None)
             return 0
         try:
@@ -148,6 +155,18 @@ def serve(worker, sock, rank: int, parent_pid: int | None) -> int:
             continue
         if wants_reply:
             reply(sock, seq, rank, True, result)
+
+
+def _shut_down(worker, rank: int) -> None:
+    """Release the worker and leave the process group; a failure is logged (the process exits
+    anyway, and its socket must still be closed)."""
+    from runtime.distributed import destroy_distributed
+
+    for release in (worker.shutdown, destroy_distributed):
+        try:
+            release()
+        except Exception:  # noqa: BLE001 - logged; the other release and the exit go on
+            logger.exception("worker %d: %s failed during shutdown", rank, getattr(release, "__name__", release))
 
 
 def _answer(sock, rank: int, seq: int, wants_reply: bool, pending) -> None:

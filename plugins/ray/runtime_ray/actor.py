@@ -33,8 +33,9 @@ class WorkerActor:
             sock.bind(("", 0))
             return sock.getsockname()[1]
 
-    def run(self, config, rank: int, init_method: str, address: str) -> int:
-        """Build rank ``rank``'s worker and serve the executor at ``address``; the exit code (0: shut down)."""
+    def run(self, config, rank: int, init_method: str, address: str, secret: bytes) -> int:
+        """Build rank ``rank``'s worker and serve the executor at ``address`` (messages signed
+        with ``secret``, the executor's); the exit code (0: shut down)."""
         from runtime.executor.worker_proc import build_and_serve
 
         logging.basicConfig(
@@ -42,4 +43,4 @@ class WorkerActor:
         )
         # Ray gives the actor its bundle's devices only (CUDA_VISIBLE_DEVICES and the like),
         # so the worker's device is the first visible one.
-        return build_and_serve(config, rank, init_method, address, parent_pid=None, local_rank=0)
+        return build_and_serve(config, rank, init_method, address, parent_pid=None, local_rank=0, secret=secret)

@@ -2,7 +2,9 @@
 
 The calls, replies and failure watching are core's
 :class:`~runtime.executor.broadcast.BroadcastExecutor` (one pickled broadcast per step over
-ZMQ, here on TCP so that actors on other nodes reach it); this module starts the actors
+ZMQ, here on TCP so that actors on other nodes reach it, every message signed with a
+secret the actors get at start, so that no other host can have the engine unpickle its
+bytes); this module starts the actors
 in a placement group, gives the ranks out node by node (this node first), and watches
 each actor's ``run`` call: it resolves when the actor dies, which names the rank.
 """
@@ -15,6 +17,7 @@ import time
 from runtime.config import EngineConfig
 from runtime.executor.broadcast import BroadcastExecutor, WorkerSocket
 from runtime.executor.multiproc import check_parallel_support
+from runtime.executor.signing import new_secret
 from runtime_ray import cluster
 from runtime_ray.actor import WorkerActor
 
@@ -39,7 +42,9 @@ class RayWorkers:
         self.group = None
         bundle = cluster.bundle_for(select_platform(config.device_config.platform))
         self.started_cluster = cluster.connect(world_size, bundle)
-        self.socket = WorkerSocket(f"tcp://{ray.util.get_node_ip_address()}:0")
+        # Reachable from the other nodes (and any host that reaches this one): signed both ways.
+        secret = new_secret()
+        self.socket = WorkerSocket(f"tcp://{ray.util.get_node_ip_address()}:0", secret)
         try:
             self.group = cluster.reserve(world_size, bundle)
             remote = ray.remote(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0)(WorkerActor)
@@ -62,7 +67,8 @@ class RayWorkers:
             master_port = ray.get(self.actors[0].free_port.remote())
             init_method = f"tcp://{self.infos[0]['ip']}:{master_port}"
             self.run_refs = [
-                actor.run.remote(config, rank, init_method, self.socket.address) for rank, actor in enumerate(self.actors)
+                actor.run.remote(config, rank, init_method, self.socket.address, secret)
+                for rank, actor in enumerate(self.actors)
             ]
         except BaseException:
             self.close()
