@@ -31,7 +31,8 @@ constexpr int kMaxChunks = 7;  // k <= 14,336
 constexpr int kMaxGroup = 8;
 constexpr int kCounters = 16;  // chunk counters an op: n <= 32,768
 constexpr int kChunkVectors = kKc / 8;  // 16-byte vectors of a 16-bit chunk of x: the same for bf16 in and f16 out
-constexpr int kStagers = kControl - 32;  // control warps 1-3; warp 0 stores rows and raises the counters
+// Stager threads: control warps 1-3 (warp 0 stores rows and raises the counters), or all 4 with tagged data.
+template <bool TAGGED> constexpr int kStagersOf = TAGGED ? kControl : kControl - 32;
 constexpr int kTiles = 64;  // the ring of finished super-tiles a block hands from its consumers to its releaser
 
 __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
@@ -107,124 +108,166 @@ struct Walk {
   }
 };
 
-// counters: [num_ops][kCounters], zero at the launch. waits (or null): [blocks][2] ns: consumer warp 0's time waiting
-// for staged chunks, and the stagers' time waiting for chunk counters.
-// ACC: independent accumulators a unit (the 16 mmas of a unit in ACC chains rather than one). MODE 0: normal; 1: no
-// weight copies (the arithmetic on whatever the ring holds); 2: no arithmetic (the copies, staging and waits alone).
-// Modes 1 and 2 give wrong results.
-template <int STAGES, int ACC = 1, int MODE = 0>
-__global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
-    const long long* w, const long long* s, const long long* x, const long long* o, const int* n, const int* k,
-    const int* group, int num_ops, unsigned int* counters, unsigned long long* waits) {
+// The block's shared state besides the weight ring and the staged x.
+struct Shared {
+  float x_scale[2][kMaxChunks];
+  volatile int staged[2][kMaxChunks];  // the op whose chunk a buffer holds (-1: none yet)
+  volatile int progress[kWarps];       // every consumer warp is through with the ops before this one
+  float part[kWarps][kMaxGroup][2];    // lane 0's partial sums of its two rows, a super-tile of the group
+  volatile unsigned long long tiles[kTiles][kWarps];  // (tile number + 1) << 32 | the warp's 2 rows, bf16
+  float chunk_max[kControl / 32];
+  unsigned int epoch;
+};
+struct Ops {
+  const long long *w, *s, *x, *o;
+  const int *n, *k;
+  int num_ops;
+  unsigned int* counters;
+  unsigned long long* waits;
+  unsigned int epoch;
+  __device__ __forceinline__ unsigned int tag_of(int j) const {  // of op j's output (TAGGED)
+    return (epoch * static_cast<unsigned int>(num_ops) + j + 1) & 0xFFFFu;
+  }
+};
+
+// The releaser warp (counters): stores each finished super-tile's rows, then counts them in their chunk.
+__device__ __forceinline__ void release_rows(const Walk& walk, const Ops& ops, Shared& sh) {
+  const int lane = threadIdx.x & 31;
+  Unit u;
+  unsigned int q = 0;  // super-tiles finished, in the consumers' order
+  for (bool more = walk.first(u); more; more = walk.next(u)) {
+    if (u.c + 1 != ops.k[u.j] / kKc) continue;  // a super-tile's rows are finished with its last chunk
+    const int st = u.st(), nj = ops.n[u.j];
+    if (lane < kWarps) {
+      unsigned long long v;
+      do {
+        v = sh.tiles[q % kTiles][lane];
+      } while (static_cast<unsigned int>(v >> 32) != q + 1);
+      const int row = st * kRows + 2 * lane;
+      bf16* out = reinterpret_cast<bf16*>(ops.o[u.j]);
+      if (row + 1 < nj) {
+        *reinterpret_cast<unsigned int*>(out + row) = static_cast<unsigned int>(v);
+      } else if (row < nj) {
+        out[row] = bf16{static_cast<unsigned short>(v & 0xFFFF)};
+      }
+      __threadfence();
+    }
+    __syncwarp();
+    if (lane == 0) {
+      const unsigned int rows = min(kRows, nj - st * kRows);
+      asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ops.counters + u.j * kCounters + st * kRows / kKc), "r"(rows) : "memory");
+    }
+    ++q;
+  }
+}
+
+// A stager's share of a chunk of x, E vectors of 8 activations (vector ct + u * stride, those below kChunkVectors), as
+// float: bf16 (a 16-byte vector each), or with TAGGED 32-bit tagged values (two vectors each), all read at once, and
+// again (all) until every tag is `tag` (tag > 0xFFFF: no check).
+template <bool TAGGED, int E>
+__device__ __forceinline__ void load_x(const long long base, int ct, int stride, unsigned int tag, float (&f)[E][8]) {
+  if constexpr (TAGGED) {
+    const uint4* src = reinterpret_cast<const uint4*>(base);
+    unsigned int words[E][8];
+    while (true) {
+#pragma unroll
+      for (int u = 0; u < E; ++u) {
+        if (ct + u * stride >= kChunkVectors) continue;
+        const uint4 a = __ldcg(src + 2 * (ct + u * stride)), b = __ldcg(src + 2 * (ct + u * stride) + 1);
+        words[u][0] = a.x, words[u][1] = a.y, words[u][2] = a.z, words[u][3] = a.w;
+        words[u][4] = b.x, words[u][5] = b.y, words[u][6] = b.z, words[u][7] = b.w;
+      }
+      bool ready = true;
+#pragma unroll
+      for (int u = 0; u < E; ++u)
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          ready = ready && (tag > 0xFFFFu || ct + u * stride >= kChunkVectors || (words[u][q] >> 16) == tag);
+      if (ready) break;
+      __nanosleep(20);
+    }
+#pragma unroll
+    for (int u = 0; u < E; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) f[u][q] = __uint_as_float(words[u][q] << 16);
+  } else {
+#pragma unroll
+    for (int u = 0; u < E; ++u) {
+      if (ct + u * stride >= kChunkVectors) continue;
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(base) + ct + u * stride);
+      const unsigned int words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) f[u][2 * q] = __uint_as_float(words[q] << 16), f[u][2 * q + 1] = __uint_as_float(words[q] & 0xFFFF0000u);
+    }
+  }
+}
+
+// The stagers: every op's x, chunk by chunk, in order, as float16 in the consumers' layout.
+template <bool TAGGED>
+__device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
+  constexpr int kStagers = kStagersOf<TAGGED>, kEach = (kChunkVectors + kStagers - 1) / kStagers;
+  const int ct = threadIdx.x - (kConsumers + kControl - kStagers), lane = threadIdx.x & 31;
+  unsigned long long waited = 0;
+  for (int j = 0; j < ops.num_ops; ++j) {
+    const int buf = j & 1;
+    if (j >= 2 && ct == 0) {  // the buffer held op j - 2's x: every consumer warp must be through with it
+      for (int i = 0; i < kWarps; ++i)
+        while (load_acquire_cta(sh.progress + i) < j - 1) {
+        }
+    }
+    for (int c = 0; c < ops.k[j] / kKc; ++c) {
+      const unsigned long long t0 = ops.waits != nullptr && ct == 0 ? now() : 0;
+      if (!TAGGED && j > 0 && ct == 0) {
+        const unsigned int need = min(kKc, ops.n[j - 1] - c * kKc);
+        // relaxed polls (an acquire load invalidates the SM's L1 each time), one acquire once it is there
+        const unsigned int* counter = ops.counters + (j - 1) * kCounters + c;
+        while (load_relaxed(counter) < need) __nanosleep(32);
+        load_acquire(counter);
+      }
+      asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
+      const long long base = ops.x[j] + c * kKc * (TAGGED ? 4 : 2);
+      const unsigned int tag = j > 0 ? ops.tag_of(j - 1) : 0x10000u;
+      float f[kEach][8];
+      float m = 0.0f;
+      load_x<TAGGED, kEach>(base, ct, kStagers, tag, f);
+#pragma unroll
+      for (int u = 0; u < kEach; ++u)
+#pragma unroll
+        for (int q = 0; q < 8; ++q) m = ct + u * kStagers < kChunkVectors ? fmaxf(m, fabsf(f[u][q])) : m;
+      if (ops.waits != nullptr && ct == 0) waited += now() - t0;
+      m = warp_max(m);
+      if (lane == 0) sh.chunk_max[(threadIdx.x - kConsumers) / 32] = m;
+      asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
+      m = 0.0f;
+#pragma unroll
+      for (int i = kControl / 32 - kStagers / 32; i < kControl / 32; ++i) m = fmaxf(m, sh.chunk_max[i]);
+      // x / 2^(e - 14) with |x| max in [2^e, 2^(e + 1)): below 2^15, in float16's range, and exact
+      const int e = m > 0.0f ? max(static_cast<int>((__float_as_uint(m) >> 23) & 0xFF) - 127, -100) : 14;
+      const float inv = __uint_as_float(static_cast<unsigned int>(14 - e + 127) << 23);
+      // lane l of a consumer reads x's 16 values of vector 32 i + l as two 16-byte halves, 32 lanes apart
+      uint4* out = xq + (buf * kMaxChunks + c) * kChunkVectors;
+#pragma unroll
+      for (int u = 0; u < kEach; ++u) {
+        const int vi = ct + u * kStagers, p = vi >> 1;
+        if (vi >= kChunkVectors) continue;
+        const float* g = f[u];
+        out[(p >> 5) * 64 + (vi & 1) * 32 + (p & 31)] = make_uint4(f16x2(g[0] * inv, g[1] * inv), f16x2(g[2] * inv, g[3] * inv),
+                                                                   f16x2(g[4] * inv, g[5] * inv), f16x2(g[6] * inv, g[7] * inv));
+      }
+      if (ct == 0) sh.x_scale[buf][c] = __uint_as_float(static_cast<unsigned int>(e - 14 + 127) << 23);
+      asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
+      if (ct == 0) store_release_cta(&sh.staged[buf][c], j);
+    }
+  }
+  if (ops.waits != nullptr && ct == 0) ops.waits[2 * blockIdx.x + 1] = waited;
+}
+
+// The consumers: copies STAGES - 1 units ahead; products; a finished super-tile's two rows to the releaser, or
+// (TAGGED) straight to memory with their tags.
+template <int STAGES, int ACC, int MODE, bool TAGGED>
+__device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared& sh, uint4* ring, const uint4* xq) {
   constexpr int kShare = 2 * kKc / 16;
-  extern __shared__ __align__(128) uint4 ring[];  // [kWarps][STAGES][kShare], then x as f16: [2][kMaxChunks][256]
-  uint4* xq = ring + kWarps * STAGES * kShare;
-  __shared__ float x_scale[2][kMaxChunks];
-  __shared__ volatile int staged[2][kMaxChunks];  // the op whose chunk a buffer holds (-1: none yet)
-  __shared__ volatile int progress[kWarps];       // every consumer warp is through with the ops before this one
-  __shared__ float part[kWarps][kMaxGroup][2];    // lane 0's partial sums of its two rows, a super-tile of the group
-  __shared__ volatile unsigned long long tiles[kTiles][kWarps];  // (tile number + 1) << 32 | the warp's 2 rows, bf16
-  __shared__ float chunk_max[kStagers / 32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (threadIdx.x < 2 * kMaxChunks) staged[threadIdx.x / kMaxChunks][threadIdx.x % kMaxChunks] = -1;
-  if (threadIdx.x < kWarps) progress[threadIdx.x] = 0;
-  for (int i = threadIdx.x; i < kTiles * kWarps; i += blockDim.x) tiles[i / kWarps][i % kWarps] = 0;
-  __syncthreads();
-  const Walk walk{n, k, group, num_ops};
-
-  if (warp == kWarps) {  // the releaser: stores each finished super-tile's rows, then counts them in their chunk
-    Unit u;
-    unsigned int q = 0;  // super-tiles finished, in the consumers' order
-    for (bool more = walk.first(u); more; more = walk.next(u)) {
-      if (u.c + 1 != k[u.j] / kKc) continue;  // a super-tile's rows are finished with its last chunk
-      const int st = u.st(), nj = n[u.j];
-      if (lane < kWarps) {
-        unsigned long long v;
-        do {
-          v = tiles[q % kTiles][lane];
-        } while (static_cast<unsigned int>(v >> 32) != q + 1);
-        const int row = st * kRows + 2 * lane;
-        bf16* out = reinterpret_cast<bf16*>(o[u.j]);
-        if (row + 1 < nj) {
-          *reinterpret_cast<unsigned int*>(out + row) = static_cast<unsigned int>(v);
-        } else if (row < nj) {
-          out[row] = bf16{static_cast<unsigned short>(v & 0xFFFF)};
-        }
-        __threadfence();
-      }
-      __syncwarp();
-      if (lane == 0) {
-        const unsigned int rows = min(kRows, nj - st * kRows);
-        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counters + u.j * kCounters + st * kRows / kKc), "r"(rows) : "memory");
-      }
-      ++q;
-    }
-    return;
-  }
-  if (warp > kWarps) {  // the stagers: every op's x, chunk by chunk, in order
-    const int ct = threadIdx.x - kConsumers - 32;
-    unsigned long long waited = 0;
-    for (int j = 0; j < num_ops; ++j) {
-      const int buf = j & 1;
-      if (j >= 2 && ct == 0) {  // the buffer held op j - 2's x: every consumer warp must be through with it
-        for (int i = 0; i < kWarps; ++i)
-          while (load_acquire_cta(progress + i) < j - 1) {
-          }
-      }
-      for (int c = 0; c < k[j] / kKc; ++c) {
-        if (j > 0 && ct == 0) {
-          const unsigned int need = min(kKc, n[j - 1] - c * kKc);
-          const unsigned long long t0 = waits != nullptr ? now() : 0;
-          // relaxed polls (an acquire load invalidates the SM's L1 each time), one acquire once it is there
-          const unsigned int* counter = counters + (j - 1) * kCounters + c;
-          while (load_relaxed(counter) < need) __nanosleep(32);
-          load_acquire(counter);
-          if (waits != nullptr) waited += now() - t0;
-        }
-        asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
-        const uint4* src = reinterpret_cast<const uint4*>(x[j]) + c * kChunkVectors;
-        constexpr int kEach = (kChunkVectors + kStagers - 1) / kStagers;
-        uint4 v[kEach];
-        float m = 0.0f;
-#pragma unroll
-        for (int u = 0; u < kEach; ++u) {
-          if (ct + u * kStagers >= kChunkVectors) continue;
-          v[u] = __ldcg(src + ct + u * kStagers);
-          const unsigned int words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            m = fmaxf(m, fmaxf(fabsf(__uint_as_float(words[q] << 16)), fabsf(__uint_as_float(words[q] & 0xFFFF0000u))));
-        }
-        m = warp_max(m);
-        if (lane == 0) chunk_max[warp - kWarps - 1] = m;
-        asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
-        m = fmaxf(fmaxf(chunk_max[0], chunk_max[1]), chunk_max[2]);
-        // x / 2^(e - 14) with |x| max in [2^e, 2^(e + 1)): below 2^15, in float16's range, and exact
-        const int e = m > 0.0f ? max(static_cast<int>((__float_as_uint(m) >> 23) & 0xFF) - 127, -100) : 14;
-        const float inv = __uint_as_float(static_cast<unsigned int>(14 - e + 127) << 23);
-        // lane l of a consumer reads x's 16 values of vector 32 i + l as two 16-byte halves, 32 lanes apart
-        uint4* out = xq + (buf * kMaxChunks + c) * kChunkVectors;
-#pragma unroll
-        for (int u = 0; u < kEach; ++u) {
-          if (ct + u * kStagers >= kChunkVectors) continue;
-          const unsigned int words[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
-          float f[8];
-#pragma unroll
-          for (int q = 0; q < 4; ++q)
-            f[2 * q] = __uint_as_float(words[q] << 16) * inv, f[2 * q + 1] = __uint_as_float(words[q] & 0xFFFF0000u) * inv;
-          const int vi = ct + u * kStagers, p = vi >> 1;
-          out[(p >> 5) * 64 + (vi & 1) * 32 + (p & 31)] = make_uint4(f16x2(f[0], f[1]), f16x2(f[2], f[3]), f16x2(f[4], f[5]), f16x2(f[6], f[7]));
-        }
-        if (ct == 0) x_scale[buf][c] = __uint_as_float(static_cast<unsigned int>(e - 14 + 127) << 23);
-        asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
-        if (ct == 0) store_release_cta(&staged[buf][c], j);
-      }
-    }
-    if (waits != nullptr && ct == 0) waits[2 * blockIdx.x + 1] = waited;
-    return;
-  }
-
-  // The consumers: copies STAGES - 1 units ahead; products; a finished super-tile's two rows to the releaser.
   uint4* slots = ring + warp * STAGES * kShare;
   unsigned long long policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
@@ -234,8 +277,8 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     if (MODE == 1) {
       if (more) more = walk.next(ahead);
     } else if (more) {
-      const int kj = k[ahead.j], nj = n[ahead.j], st = ahead.st();
-      const uint4* wj = reinterpret_cast<const uint4*>(w[ahead.j]);
+      const int kj = ops.k[ahead.j], nj = ops.n[ahead.j], st = ahead.st();
+      const uint4* wj = reinterpret_cast<const uint4*>(ops.w[ahead.j]);
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int row = min(st * kRows + 2 * warp + rr, nj - 1);
@@ -259,14 +302,14 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     issue_next(slot == 0 ? STAGES - 1 : slot - 1);
     if (cur.j != at_op) {  // through with every op before cur.j: its x buffer may be restaged
       at_op = cur.j;
-      if (lane == 0) progress[warp] = at_op;  // no fence: its reads of that buffer fed mmas issued before this
+      if (lane == 0) sh.progress[warp] = at_op;  // no fence: its reads of that buffer fed mmas issued before this
     }
     const int buf = cur.j & 1;
-    if (load_acquire_cta(&staged[buf][cur.c]) != cur.j) {
-      const unsigned long long t0 = waits != nullptr ? now() : 0;
-      while (load_acquire_cta(&staged[buf][cur.c]) != cur.j) {
+    if (load_acquire_cta(&sh.staged[buf][cur.c]) != cur.j) {
+      const unsigned long long t0 = ops.waits != nullptr ? now() : 0;
+      while (load_acquire_cta(&sh.staged[buf][cur.c]) != cur.j) {
       }
-      if (waits != nullptr) waited += now() - t0;
+      if (ops.waits != nullptr) waited += now() - t0;
     }
     wait_groups<STAGES - 1>();
     const uint4* mine = slots + slot * kShare;
@@ -296,19 +339,26 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     const bool holds = t == (g >> 1);
     float r0 = warp_sum(holds ? ((g & 1) ? acc[1] : acc[0]) : 0.0f);
     float r1 = warp_sum(holds ? ((g & 1) ? acc[3] : acc[2]) : 0.0f);
-    const bool last = cur.c + 1 == k[cur.j] / kKc;
+    const bool last = cur.c + 1 == ops.k[cur.j] / kKc;
     if (lane == 0) {
-      const float xscale = x_scale[buf][cur.c];
+      const float xscale = sh.x_scale[buf][cur.c];
       r0 *= xscale, r1 *= xscale;
-      if (cur.c > 0) r0 += part[warp][cur.g][0], r1 += part[warp][cur.g][1];
+      if (cur.c > 0) r0 += sh.part[warp][cur.g][0], r1 += sh.part[warp][cur.g][1];
       if (!last) {
-        part[warp][cur.g][0] = r0, part[warp][cur.g][1] = r1;
+        sh.part[warp][cur.g][0] = r0, sh.part[warp][cur.g][1] = r1;
       } else {
-        const int row = cur.st() * kRows + 2 * warp, nj = n[cur.j];
-        const float* scale = reinterpret_cast<const float*>(s[cur.j]);
+        const int row = cur.st() * kRows + 2 * warp, nj = ops.n[cur.j];
+        const float* scale = reinterpret_cast<const float*>(ops.s[cur.j]);
         const unsigned int lo = row < nj ? bf16::round(r0 * scale[row]).bits : 0;
         const unsigned int hi = row + 1 < nj ? bf16::round(r1 * scale[row + 1]).bits : 0;
-        tiles[q % kTiles][warp] = (static_cast<unsigned long long>(q + 1) << 32) | lo | (hi << 16);
+        if constexpr (TAGGED) {  // requires an even n: both rows exist
+          const unsigned long long tag = ops.tag_of(cur.j);
+          const unsigned long long v = (lo | tag << 16) | (static_cast<unsigned long long>(hi) | tag << 16) << 32;
+          unsigned int* out = reinterpret_cast<unsigned int*>(ops.o[cur.j]) + row;
+          asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(out), "l"(v) : "memory");
+        } else {
+          sh.tiles[q % kTiles][warp] = (static_cast<unsigned long long>(q + 1) << 32) | lo | (hi << 16);
+        }
       }
     }
     q += last;
@@ -316,7 +366,48 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     have = walk.next(cur);
   }
   wait_groups<0>();
-  if (lane == 0) progress[warp] = num_ops;
-  if (waits != nullptr && warp == 0 && lane == 0) waits[2 * blockIdx.x] = waited;
+  if (lane == 0) sh.progress[warp] = ops.num_ops;
+  if (ops.waits != nullptr && warp == 0 && lane == 0) ops.waits[2 * blockIdx.x] = waited;
+}
+
+// counters: [num_ops][kCounters], zero at the launch. waits (or null): [blocks][2] ns: consumer warp 0's time waiting
+// for staged chunks, and the stagers' time waiting for their chunks (stager 0's view).
+// ACC: independent accumulators a unit (the 16 mmas of a unit in ACC chains rather than one). MODE 0: normal; 1: no
+// weight copies (the arithmetic on whatever the ring holds); 2: no arithmetic (the copies, staging and waits alone).
+// Modes 1 and 2 give wrong results.
+//
+// TAGGED (design 7): no counters and no releaser. Every activation (op 0's x and every op's output) is 32 bits: the
+// bf16 value, and above it a 16-bit tag, (epoch * num_ops + j + 1) mod 2^16 for op j's output. A consumer stores its
+// two rows with their tags in one 64-bit store; a stager polls the chunk's values themselves until every tag is the
+// producing op's. A value and its tag arrive together, so nothing is fenced anywhere. counters[0] is the epoch, which
+// the last block through raises (counters[1] counts the blocks through), so every replay of a graph tags anew.
+template <int STAGES, int ACC = 1, int MODE = 0, bool TAGGED = false>
+__global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
+    const long long* w, const long long* s, const long long* x, const long long* o, const int* n, const int* k,
+    const int* group, int num_ops, unsigned int* counters, unsigned long long* waits) {
+  extern __shared__ __align__(128) uint4 ring[];  // [kWarps][STAGES][2 kKc / 16], then x as f16: [2][kMaxChunks][256]
+  uint4* xq = ring + kWarps * STAGES * (2 * kKc / 16);
+  __shared__ Shared sh;
+  if (threadIdx.x < 2 * kMaxChunks) sh.staged[threadIdx.x / kMaxChunks][threadIdx.x % kMaxChunks] = -1;
+  if (threadIdx.x < kWarps) sh.progress[threadIdx.x] = 0;
+  for (int i = threadIdx.x; i < kTiles * kWarps; i += blockDim.x) sh.tiles[i / kWarps][i % kWarps] = 0;
+  if (TAGGED && threadIdx.x == 0) sh.epoch = __ldcg(counters);
+  __syncthreads();
+  const Walk walk{n, k, group, num_ops};
+  const Ops ops{w, s, x, o, n, k, num_ops, counters, waits, TAGGED ? sh.epoch : 0u};
+  const int warp = threadIdx.x >> 5;
+  if (warp < kWarps)
+    consume<STAGES, ACC, MODE, TAGGED>(walk, ops, sh, ring, xq);
+  else if (!TAGGED && warp == kWarps)
+    release_rows(walk, ops, sh);
+  else
+    stage<TAGGED>(ops, sh, xq);
+  if (TAGGED) {  // the last block through raises the epoch for the next launch
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(counters + 1, 1u) == gridDim.x - 1) {
+      counters[1] = 0;
+      counters[0] = ops.epoch + 1;
+    }
+  }
 }
 }  // namespace flow_chain
