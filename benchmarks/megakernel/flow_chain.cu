@@ -1,5 +1,5 @@
 // Design 6 of W3's FP8 GEMV chain in one persistent launch (benchmarks/megakernel/flow_chain.py; RESULTS.md,
-// session 36): design 5 (ring_chain.cu, compiled before this file, whose helpers it uses) without grid barriers.
+// session 36): design 5 (ring_chain.cu, compiled before flow_common.cu and this file) without grid barriers.
 // Ops meet by data instead. Each 2,048-row chunk of an op's output has a counter; a block's stager warps stage chunk c
 // of the next op's x into one of two x buffers as soon as the rows it holds are all stored, and the consumers wait in shared memory for the chunk they compute, not for
 // the whole op. So a block done early with op j starts op j + 1 on the chunks that are ready.
@@ -18,118 +18,6 @@
 // group of 1 finishes the op's rows early, chunk by chunk, for the next op. The super-tiles are dealt round-robin over
 // the ops' concatenation (as in design 5).
 namespace flow_chain {
-using namespace gemv_common;
-using ring_chain::commit;
-using ring_chain::copy16;
-using ring_chain::kControl;
-using ring_chain::kConsumers;
-using ring_chain::kKc;
-using ring_chain::kRows;
-using ring_chain::wait_groups;
-
-constexpr int kMaxChunks = 7;  // k <= 14,336
-constexpr int kMaxGroup = 8;
-constexpr int kCounters = 16;  // chunk counters an op: n <= 32,768
-constexpr int kChunkVectors = kKc / 8;  // 16-byte vectors of a 16-bit chunk of x: the same for bf16 in and f16 out
-// Stager threads: control warps 1-3 (warp 0 stores rows and raises the counters), or all 4 with tagged data.
-template <bool TAGGED> constexpr int kStagersOf = TAGGED ? kControl : kControl - 32;
-constexpr int kTiles = 64;  // the ring of finished super-tiles a block hands from its consumers to its releaser
-
-__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned int load_relaxed(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ int load_acquire_cta(const volatile int* p) {
-  int v;
-  asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(ring_chain::smem_addr(const_cast<int*>(p))) : "memory");
-  return v;
-}
-__device__ __forceinline__ void store_release_cta(volatile int* p, int v) {
-  asm volatile("st.release.cta.shared.u32 [%0], %1;" ::"r"(ring_chain::smem_addr(const_cast<int*>(p))), "r"(v) : "memory");
-}
-// A = rows g (a0, a2) and g + 8 (a1, a3) of a 16 x 16 float16 tile, B = its 16 x 8 transposed column block.
-__device__ __forceinline__ void mma_f16(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3,
-                                        unsigned int b0, unsigned int b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-               "{%0, %1, %2, %3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-// 4 FP8 codes to two float16 pairs: bytes 0-1 to lo, 2-3 to hi (the lower byte to the lower half).
-__device__ __forceinline__ void e4m3_pairs(unsigned int word, unsigned int& lo, unsigned int& hi) {
-  asm("{.reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;}"
-      : "=r"(lo), "=r"(hi) : "r"(word));
-}
-__device__ __forceinline__ unsigned int f16x2(float lo, float hi) {
-  unsigned int v;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
-  return v;
-}
-__device__ __forceinline__ unsigned long long now() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-
-// A block's work, one unit at a time: chunk c of super-tile st0 + g * grid of op j, in a group of gs super-tiles
-// from st0 (chunk-major within the group). Super-tiles past an op's end carry on into the next op (round-robin over
-// the ops' concatenation).
-struct Unit {
-  int j, st0, gs, c, g;
-  __device__ __forceinline__ int st() const { return st0 + g * static_cast<int>(gridDim.x); }
-};
-struct Walk {
-  const int *n, *k, *group;
-  int num_ops;
-  __device__ __forceinline__ int supers(int j) const { return (n[j] + kRows - 1) / kRows; }
-  __device__ __forceinline__ bool start_group(Unit& u) const {
-    while (u.j < num_ops && u.st0 >= supers(u.j)) u.st0 -= supers(u.j), ++u.j;
-    if (u.j >= num_ops) return false;
-    u.gs = min(group[u.j], (supers(u.j) - 1 - u.st0) / static_cast<int>(gridDim.x) + 1);
-    u.c = u.g = 0;
-    return true;
-  }
-  __device__ __forceinline__ bool first(Unit& u) const {
-    u = Unit{0, static_cast<int>(blockIdx.x), 0, 0, 0};
-    return start_group(u);
-  }
-  __device__ __forceinline__ bool next(Unit& u) const {
-    if (++u.g < u.gs) return true;
-    u.g = 0;
-    if (++u.c < k[u.j] / kKc) return true;
-    u.st0 += u.gs * gridDim.x;
-    return start_group(u);
-  }
-};
-
-// The block's shared state besides the weight ring and the staged x.
-struct Shared {
-  float x_scale[2][kMaxChunks];
-  volatile int staged[2][kMaxChunks];  // the op whose chunk a buffer holds (-1: none yet)
-  volatile int progress[kWarps];       // every consumer warp is through with the ops before this one
-  float part[kWarps][kMaxGroup][2];    // lane 0's partial sums of its two rows, a super-tile of the group
-  volatile unsigned long long tiles[kTiles][kWarps];  // (tile number + 1) << 32 | the warp's 2 rows, bf16
-  float chunk_max[kControl / 32];
-  unsigned int epoch;
-};
-struct Ops {
-  const long long *w, *s, *x, *o;
-  const int *n, *k;
-  int num_ops;
-  unsigned int* counters;
-  unsigned long long* waits;
-  unsigned int epoch;
-  __device__ __forceinline__ unsigned int tag_of(int j) const {  // of op j's output (TAGGED)
-    return (epoch * static_cast<unsigned int>(num_ops) + j + 1) & 0xFFFFu;
-  }
-};
-
 // The releaser warp (counters): stores each finished super-tile's rows, then counts them in their chunk.
 __device__ __forceinline__ void release_rows(const Walk& walk, const Ops& ops, Shared& sh) {
   const int lane = threadIdx.x & 31;
@@ -158,47 +46,6 @@ __device__ __forceinline__ void release_rows(const Walk& walk, const Ops& ops, S
       asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(ops.counters + u.j * kCounters + st * kRows / kKc), "r"(rows) : "memory");
     }
     ++q;
-  }
-}
-
-// A stager's share of a chunk of x, E vectors of 8 activations (vector ct + u * stride, those below kChunkVectors), as
-// float: bf16 (a 16-byte vector each), or with TAGGED 32-bit tagged values (two vectors each), all read at once, and
-// again (all) until every tag is `tag` (tag > 0xFFFF: no check).
-template <bool TAGGED, int E>
-__device__ __forceinline__ void load_x(const long long base, int ct, int stride, unsigned int tag, float (&f)[E][8]) {
-  if constexpr (TAGGED) {
-    const uint4* src = reinterpret_cast<const uint4*>(base);
-    unsigned int words[E][8];
-    while (true) {
-#pragma unroll
-      for (int u = 0; u < E; ++u) {
-        if (ct + u * stride >= kChunkVectors) continue;
-        const uint4 a = __ldcg(src + 2 * (ct + u * stride)), b = __ldcg(src + 2 * (ct + u * stride) + 1);
-        words[u][0] = a.x, words[u][1] = a.y, words[u][2] = a.z, words[u][3] = a.w;
-        words[u][4] = b.x, words[u][5] = b.y, words[u][6] = b.z, words[u][7] = b.w;
-      }
-      bool ready = true;
-#pragma unroll
-      for (int u = 0; u < E; ++u)
-#pragma unroll
-        for (int q = 0; q < 8; ++q)
-          ready = ready && (tag > 0xFFFFu || ct + u * stride >= kChunkVectors || (words[u][q] >> 16) == tag);
-      if (ready) break;
-      __nanosleep(20);
-    }
-#pragma unroll
-    for (int u = 0; u < E; ++u)
-#pragma unroll
-      for (int q = 0; q < 8; ++q) f[u][q] = __uint_as_float(words[u][q] << 16);
-  } else {
-#pragma unroll
-    for (int u = 0; u < E; ++u) {
-      if (ct + u * stride >= kChunkVectors) continue;
-      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(base) + ct + u * stride);
-      const unsigned int words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) f[u][2 * q] = __uint_as_float(words[q] << 16), f[u][2 * q + 1] = __uint_as_float(words[q] & 0xFFFF0000u);
-    }
   }
 }
 

@@ -77,7 +77,7 @@ def main():
     groups = {g: torch.tensor(list(g) * (len(ops) // 4), dtype=torch.int32, device=dev) for _, _, g, _ in picked}
     ring5 = "ring_chain::chain<6, true, 0, 0>"
     here = Path(__file__).parent
-    code = (here / "ring_chain.cu").read_text() + (here / "flow_chain.cu").read_text()
+    code = "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_chain.cu"))
     kernels = cuda_launch.compile_kernels(code, sorted({p[0] for p in picked}) + [ring5], 0)
     assert kernels is not None, "compile failed (see log)"
     set_attr = cuda_launch._driver_function("cuFuncSetAttribute", (ctypes.c_void_p, ctypes.c_int, ctypes.c_int))
