@@ -25,14 +25,34 @@ def read_head_config(path: str, what: str) -> dict:
         return json.load(f)
 
 
-def read_head_tensors(path: str, what: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's weight files (the first pattern that matches any file)."""
+def head_weight_files(path: str, what: str) -> list[str]:
+    """The folder's weight files: those of the first pattern that matches any file."""
     for pattern in WEIGHT_PATTERNS:
         files = sorted(glob.glob(os.path.join(path, pattern)))
         if files:
-            break
-    else:
-        raise ValueError(f"{what} checkpoint {path!r} has no weights ({', '.join(WEIGHT_PATTERNS)})")
+            return files
+    raise ValueError(f"{what} checkpoint {path!r} has no weights ({', '.join(WEIGHT_PATTERNS)})")
+
+
+def read_head_shapes(path: str, what: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, without reading the weights (a factory checks a head with it
+    before any worker starts)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in head_weight_files(path, what):
+        if file.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(file, framework="pt") as f:
+                shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+        else:
+            tensors = torch.load(file, map_location="meta", weights_only=True)
+            shapes.update((name, tuple(t.shape)) for name, t in tensors.items())
+    return shapes
+
+
+def read_head_tensors(path: str, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's weight files (the first pattern that matches any file)."""
+    files = head_weight_files(path, what)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         if file.endswith(".safetensors"):

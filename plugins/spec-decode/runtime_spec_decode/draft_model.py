@@ -47,6 +47,27 @@ def check_draft_split(what: str, path: str, hf_config, tensor_parallel_size: int
         raise ValueError(f"{what} {path!r} cannot run under tensor parallelism as configured: {exc}") from None
 
 
+def model_positions(hf_config) -> int | None:
+    """The most positions a checkpoint was built for (its config's length field), or None if it names none."""
+    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(hf_config, name, None)
+        if value:
+            return int(value)
+    return None
+
+
+def check_draft_length(what: str, path: str, hf_config, max_model_len: int) -> None:
+    """Refuse a draft that holds fewer positions than the target's max_model_len: a long request would
+    run it past its last position (garbage drafts, or an out-of-range read of its position tables)."""
+    positions = model_positions(hf_config)
+    if positions is not None and positions < max_model_len:
+        raise ValueError(
+            f"{what} {path!r} supports at most {positions} positions (max_position_embeddings), but the target's "
+            f"max_model_len is {max_model_len}: lower max_model_len (--max-model-len) to {positions} or less, or use a "
+            f"{what} with a longer context"
+        )
+
+
 def check_target_hidden_size(what: str, path: str, hidden_size: int, target_hf_config) -> None:
     """Refuse a head that reads target hidden states of another width than the target's."""
     get_text_config = getattr(target_hf_config, "get_text_config", None)
@@ -98,6 +119,7 @@ class DraftModelProposer:
                 f"draft model {path!r} is quantized ({quantization!r}) and tensor_parallel_size is {tensor_parallel_size}: "
                 "its quantized linear layers are not split across ranks; use another draft or tensor_parallel_size 1"
             )
+        check_draft_length("draft model", path, self.resolved.hf_config, model_config.max_model_len)
         self.model_config = dataclasses.replace(
             model_config, model=path, quantization=quantization, resolved=self.resolved,
             architecture=self.resolved.architecture, gguf_file=self.resolved.gguf_file,

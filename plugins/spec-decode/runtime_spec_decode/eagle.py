@@ -30,7 +30,7 @@ from runtime.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLay
 from runtime.models.rotary import RotaryEmbedding, rope_parameters
 from runtime.models.weights import load_hf_weights
 from runtime.spec_decode import DraftProposals, ProposalBatch, TargetInfo
-from runtime_spec_decode.checkpoint import hf_config, read_head_config, read_head_tensors
+from runtime_spec_decode.checkpoint import hf_config, read_head_config, read_head_shapes, read_head_tensors
 from runtime_spec_decode.draft_model import check_draft_split, check_target_hidden_size
 from runtime_spec_decode.options import require_model
 
@@ -50,13 +50,16 @@ class EagleHead(nn.Module):
 
     input_shift = 1
 
-    def __init__(self, config, target: TargetInfo, has_embeddings: bool):
+    def __init__(self, config, target: TargetInfo, has_embeddings: bool, max_positions: int = 0):
+        """``max_positions``: the positions the head will see (the target's max_model_len); its rotary table
+        covers them even past its config's max_position_embeddings (EAGLE's own code extends it too)."""
         super().__init__()
         self.config = config
         self.hidden_size = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if has_embeddings else None
         self._target = [target.model]  # not a submodule: its weights are the target's
-        self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config), config.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(head_dim(config), rope_parameters(config),
+                                          max(config.max_position_embeddings, max_positions))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -67,8 +70,8 @@ class EagleHead(nn.Module):
 class Eagle1Module(EagleHead):
     target_hidden = "last"
 
-    def __init__(self, config, target: TargetInfo, has_embeddings: bool, fc_bias: bool):
-        super().__init__(config, target, has_embeddings)
+    def __init__(self, config, target: TargetInfo, has_embeddings: bool, fc_bias: bool, max_positions: int = 0):
+        super().__init__(config, target, has_embeddings, max_positions)
         self.fc = Linear(2 * config.hidden_size, config.hidden_size, bias=fc_bias)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.layers[0].input_layernorm = SkipNorm()
@@ -114,8 +117,9 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Module(EagleHead):
-    def __init__(self, config, target: TargetInfo, has_embeddings: bool, target_layers: tuple[int, ...]):
-        super().__init__(config, target, has_embeddings)
+    def __init__(self, config, target: TargetInfo, has_embeddings: bool, target_layers: tuple[int, ...],
+                 max_positions: int = 0):
+        super().__init__(config, target, has_embeddings, max_positions)
         self.target_hidden = target_layers
         target_size = getattr(config, "target_hidden_size", None) or config.hidden_size
         self.fc = Linear(len(target_layers) * target_size, config.hidden_size, bias=False)
@@ -147,6 +151,12 @@ class Eagle3Module(EagleHead):
         return [self.midlayer.self_attn.attn.spec]
 
 
+def target_text_config(hf_config):
+    """The text part of the target's config (a multimodal config nests it)."""
+    get_text_config = getattr(hf_config, "get_text_config", None)
+    return get_text_config() if callable(get_text_config) else hf_config
+
+
 def default_eagle3_layers(num_target_layers: int) -> tuple[int, ...]:
     return (2, num_target_layers // 2, num_target_layers - 3)
 
@@ -157,39 +167,74 @@ class EagleProposer:
     uses_kv_cache = True
     needs_hidden_states = True
 
-    def __init__(self, path: str, method: str, target_vocab_size: int, tensor_parallel_size: int = 1):
-        self.path, self.method = path, method
+    def __init__(self, path: str, method: str, target_vocab_size: int, tensor_parallel_size: int = 1,
+                 target_hf_config: Any = None, max_model_len: int = 0):
+        """Checks the head against the target from its config.json and its tensors' names (no weights are
+        read), so a head that does not fit is refused before any worker starts."""
+        self.path, self.method, self.max_model_len = path, method, max_model_len
         self.config = read_head_config(path, method)
         vocab = self.config.get("vocab_size")
         if vocab != target_vocab_size:
             raise ValueError(f"{method} head {path!r} has vocab_size {vocab}, the target model {target_vocab_size}: "
                              "the head must be trained for the target (same tokenizer and vocabulary)")
-        check_draft_split(f"{method} head", path, hf_config(self.config), tensor_parallel_size)
+        head_config = hf_config(self.config)
+        check_draft_split(f"{method} head", path, head_config, tensor_parallel_size)
+        shapes = read_head_shapes(path, method)
+        self.is_eagle3 = any(name.startswith("midlayer.") for name in shapes)
+        if method == "eagle3" and not self.is_eagle3:
+            raise ValueError(f"eagle3 head {path!r} has no 'midlayer.*' tensors (an EAGLE-1 head? use method 'eagle')")
+        # EAGLE-1 concatenates the target's hidden state with its own embeddings; EAGLE-3 projects the
+        # target's (``target_hidden_size`` wide when it differs from its own).
+        head_size = (getattr(head_config, "target_hidden_size", None) if self.is_eagle3 else None) or head_config.hidden_size
+        check_target_hidden_size(f"{method} head", path, head_size, target_hf_config)
+        self.target_layers = None
+        if self.is_eagle3 and target_hf_config is not None:
+            self.target_layers = self.eagle3_layers(target_text_config(target_hf_config).num_hidden_layers)
+        self.check_fc(shapes.get("fc.weight"), head_config.hidden_size, head_size)
+
+    def check_fc(self, shape, hidden_size: int, head_size: int) -> None:
+        """``fc`` maps what the head reads of the target to its own width: [H, 2H] (EAGLE-1: embeddings and the
+        hidden state), [H, layers x target size] (EAGLE-3); one of other sizes would fail in every worker."""
+        if self.is_eagle3:
+            if self.target_layers is None:
+                return
+            inputs, reads = len(self.target_layers) * head_size, f"{len(self.target_layers)} target layers of size {head_size}"
+        else:
+            inputs, reads = 2 * hidden_size, f"its embeddings and the target's hidden state, {hidden_size} each"
+        if shape is None or tuple(shape) != (hidden_size, inputs):
+            found = "no fc.weight" if shape is None else f"fc.weight of shape {list(shape)}"
+            raise ValueError(f"{self.method} head {self.path!r} has {found}, but its config.json makes it "
+                             f"[{hidden_size}, {inputs}] (it reads {reads})")
+
+    def eagle3_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """The target layers whose inputs an EAGLE-3 head reads: its config's, else the default; checked."""
+        layers = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        layers = tuple(layers or default_eagle3_layers(num_target_layers))
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_target_layers]
+        if bad:
+            raise ValueError(f"{self.method} head {self.path!r} reads target layer {bad[0]} "
+                             f"(eagle_aux_hidden_state_layer_ids), but the target model has {num_target_layers} layers")
+        return layers
 
     @classmethod
     def from_config(cls, config: Any, method: str) -> EagleProposer:
-        return cls(require_model(config, method), method, config.model_config.vocab_size,
-                   config.parallel_config.tensor_parallel_size)
+        model_config = config.model_config
+        target_hf_config = getattr(getattr(model_config, "resolved", None), "hf_config", None)
+        return cls(require_model(config, method), method, model_config.vocab_size,
+                   config.parallel_config.tensor_parallel_size, target_hf_config, model_config.max_model_len)
 
     def load(self, target: TargetInfo) -> EagleHead:
         tensors = read_head_tensors(self.path, self.method)
-        is_eagle3 = any(name.startswith("midlayer.") for name in tensors)
-        if self.method == "eagle3" and not is_eagle3:
-            raise ValueError(f"eagle3 head {self.path!r} has no 'midlayer.*' tensors (an EAGLE-1 head? use method 'eagle')")
+        is_eagle3 = self.is_eagle3  # the factory read the checkpoint's names and checked its sizes
         config = hf_config(self.config)
-        # EAGLE-1 concatenates the target's hidden state with its own embeddings; EAGLE-3 projects the
-        # target's (``target_hidden_size`` wide when it differs from its own).
-        head_size = (getattr(config, "target_hidden_size", None) if is_eagle3 else None) or config.hidden_size
-        check_target_hidden_size(f"{self.method} head", self.path, head_size, target.hf_config)
         has_embeddings = "embed_tokens.weight" in tensors
         if is_eagle3:
-            num_layers = target.hf_config.num_hidden_layers
-            layers = (self.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            module = Eagle3Module(config, target, has_embeddings, tuple(layers or default_eagle3_layers(num_layers)))
+            layers = self.target_layers or self.eagle3_layers(target_text_config(target.hf_config).num_hidden_layers)
+            module = Eagle3Module(config, target, has_embeddings, layers, self.max_model_len)
             d2t = tensors.pop("d2t", None)
             tensors.pop("t2d", None)
         else:
-            module = Eagle1Module(config, target, has_embeddings, fc_bias="fc.bias" in tensors)
+            module = Eagle1Module(config, target, has_embeddings, "fc.bias" in tensors, self.max_model_len)
             d2t = None
         module = module.to(dtype=target.dtype)
         with torch.no_grad():
