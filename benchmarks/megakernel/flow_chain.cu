@@ -55,6 +55,7 @@ __device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
   constexpr int kStagers = kStagersOf<TAGGED>, kEach = (kChunkVectors + kStagers - 1) / kStagers;
   const int ct = threadIdx.x - (kConsumers + kControl - kStagers), lane = threadIdx.x & 31;
   unsigned long long waited = 0;
+  float sum_sq = 0.0f;  // stager 0: a norm's sum of squares over the chunks so far
   for (int j = 0; j < ops.num_ops; ++j) {
     const int buf = j & 1;
     if (j >= 2 && ct == 0) {  // the buffer held op j - 2's x: every consumer warp must be through with it
@@ -73,21 +74,65 @@ __device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
       }
       asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
       const long long base = ops.x[j] + c * kKc * (TAGGED ? 4 : 2);
-      const unsigned int tag = j > 0 ? ops.tag_of(j - 1) : 0x10000u;
+      const unsigned int tag = ops.tag_of(j - 1);
+      const int kind = TAGGED ? ops.kind(j) : 0;
       float f[kEach][8];
-      float m = 0.0f;
-      load_x<TAGGED, kEach>(base, ct, kStagers, tag, f);
+      float m = 0.0f, sq = 0.0f;
+      uint4 norm_weight[kEach];
+      if (kind == 1) {  // the norm's weight, asked for before x (it does not wait for x)
+        const uint4* weight = reinterpret_cast<const uint4*>(ops.aux[j]) + c * kChunkVectors;
+#pragma unroll
+        for (int u = 0; u < kEach; ++u)
+          if (ct + u * kStagers < kChunkVectors) norm_weight[u] = __ldg(weight + ct + u * kStagers);
+      }
+      bool loaded = false;
+      if constexpr (TAGGED) {
+        if (kind >= 2) {  // SiLU(gate) * up, both polled at once
+          float gate_up[2 * kEach][8];
+          const long long gate = kind == 2 ? base : ops.x[j] + 2LL * c * kKc * 4;  // kind 3: the chunks interleaved
+          load_x<TAGGED, kEach, 2>(gate, kind == 2 ? gate + ops.k[j] * 4LL : gate + kKc * 4LL, ct, kStagers, tag, gate_up);
+#pragma unroll
+          for (int u = 0; u < kEach; ++u)
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+              const float g = gate_up[u][q];
+              f[u][q] = round_bf16(round_bf16(g / (1.0f + __expf(-g))) * gate_up[kEach + u][q]);
+            }
+          loaded = true;
+        }
+      }
+      if (!loaded) load_x<TAGGED, kEach>(base, 0, ct, kStagers, tag, f);
+      if (kind == 1) {  // x times the norm's weight; the sum of squares of x for its 1 / rms
+#pragma unroll
+        for (int u = 0; u < kEach; ++u) {
+          if (ct + u * kStagers >= kChunkVectors) continue;
+          const uint4 gv = norm_weight[u];
+          const unsigned int gw[4] = {gv.x, gv.y, gv.z, gv.w};
+#pragma unroll
+          for (int q = 0; q < 8; ++q) {
+            const float g = __uint_as_float(q & 1 ? gw[q / 2] & 0xFFFF0000u : gw[q / 2] << 16);
+            sq += f[u][q] * f[u][q];
+            f[u][q] = round_bf16(f[u][q] * g);
+          }
+        }
+      }
 #pragma unroll
       for (int u = 0; u < kEach; ++u)
 #pragma unroll
         for (int q = 0; q < 8; ++q) m = ct + u * kStagers < kChunkVectors ? fmaxf(m, fabsf(f[u][q])) : m;
       if (ops.waits != nullptr && ct == 0) waited += now() - t0;
       m = warp_max(m);
-      if (lane == 0) sh.chunk_max[(threadIdx.x - kConsumers) / 32] = m;
+      if (kind == 1) sq = warp_sum(sq);
+      if (lane == 0) sh.chunk_max[(threadIdx.x - kConsumers) / 32] = m, sh.chunk_sq[(threadIdx.x - kConsumers) / 32] = sq;
       asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
       m = 0.0f;
 #pragma unroll
       for (int i = kControl / 32 - kStagers / 32; i < kControl / 32; ++i) m = fmaxf(m, sh.chunk_max[i]);
+      if (kind == 1 && ct == 0) {  // before the op's last chunk is flagged, its 1 / rms
+#pragma unroll
+        for (int i = kControl / 32 - kStagers / 32; i < kControl / 32; ++i) sum_sq += sh.chunk_sq[i];
+        if (c + 1 == ops.k[j] / kKc) sh.rnorm[buf] = rsqrtf(sum_sq / ops.k[j] + 1e-5f), sum_sq = 0.0f;
+      }
       // x / 2^(e - 14) with |x| max in [2^e, 2^(e + 1)): below 2^15, in float16's range, and exact
       const int e = m > 0.0f ? max(static_cast<int>((__float_as_uint(m) >> 23) & 0xFF) - 127, -100) : 14;
       const float inv = __uint_as_float(static_cast<unsigned int>(14 - e + 127) << 23);
@@ -144,7 +189,7 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
   bool have = walk.first(cur);
   int slot = 0, at_op = 0;
   unsigned int q = 0;  // super-tiles finished
-  unsigned long long waited = 0;
+  unsigned long long waited = 0, res_ahead = 0;
   while (have) {
     issue_next(slot == 0 ? STAGES - 1 : slot - 1);
     if (cur.j != at_op) {  // through with every op before cur.j: its x buffer may be restaged
@@ -187,6 +232,12 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
     float r0 = warp_sum(holds ? ((g & 1) ? acc[1] : acc[0]) : 0.0f);
     float r1 = warp_sum(holds ? ((g & 1) ? acc[3] : acc[2]) : 0.0f);
     const bool last = cur.c + 1 == ops.k[cur.j] / kKc;
+    if (TAGGED && lane == 0 && cur.c == 0 && cur.gs == 1 && ops.res[cur.j] != 0) {
+      // the residual of this super-tile's rows, asked for now and used at its last chunk (complete by now: this op's
+      // x needed all of the op before, which needed all of the residual)
+      const unsigned int* rp = reinterpret_cast<const unsigned int*>(ops.res[cur.j]) + cur.st() * kRows + 2 * warp;
+      asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(res_ahead) : "l"(rp) : "memory");
+    }
     if (lane == 0) {
       const float xscale = sh.x_scale[buf][cur.c];
       r0 *= xscale, r1 *= xscale;
@@ -196,9 +247,23 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
       } else {
         const int row = cur.st() * kRows + 2 * warp, nj = ops.n[cur.j];
         const float* scale = reinterpret_cast<const float*>(ops.s[cur.j]);
-        const unsigned int lo = row < nj ? bf16::round(r0 * scale[row]).bits : 0;
-        const unsigned int hi = row + 1 < nj ? bf16::round(r1 * scale[row + 1]).bits : 0;
+        if (TAGGED && ops.kind(cur.j) == 1) r0 *= sh.rnorm[buf], r1 *= sh.rnorm[buf];
+        unsigned int lo = row < nj ? bf16::round(r0 * scale[row]).bits : 0;
+        unsigned int hi = row + 1 < nj ? bf16::round(r1 * scale[row + 1]).bits : 0;
         if constexpr (TAGGED) {  // requires an even n: both rows exist
+          if (ops.res[cur.j] != 0) {  // + the residual (the op two back wrote it, or it came before the launch)
+            const unsigned int* res = reinterpret_cast<const unsigned int*>(ops.res[cur.j]) + row;
+            const unsigned int want = ops.tag_of(cur.j - 2);
+            unsigned long long v = res_ahead;
+            auto stale = [&] { return want <= 0xFFFFu && ((v >> 16 & 0xFFFF) != want || (v >> 48) != want); };
+            if (cur.gs > 1 || stale()) {  // not asked for ahead, or (never seen) not there yet
+              do {
+                asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(res) : "memory");
+              } while (stale());
+            }
+            lo = bf16::round(__uint_as_float(static_cast<unsigned int>(v) << 16) + bf16{static_cast<unsigned short>(lo)}.value()).bits;
+            hi = bf16::round(__uint_as_float(static_cast<unsigned int>(v >> 32) << 16) + bf16{static_cast<unsigned short>(hi)}.value()).bits;
+          }
           const unsigned long long tag = ops.tag_of(cur.j);
           const unsigned long long v = (lo | tag << 16) | (static_cast<unsigned long long>(hi) | tag << 16) << 32;
           unsigned int* out = reinterpret_cast<unsigned int*>(ops.o[cur.j]) + row;
@@ -231,7 +296,8 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
 template <int STAGES, int ACC = 1, int MODE = 0, bool TAGGED = false>
 __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     const long long* w, const long long* s, const long long* x, const long long* o, const int* n, const int* k,
-    const int* group, int num_ops, unsigned int* counters, unsigned long long* waits) {
+    const int* meta, const long long* aux, const long long* res, int num_ops, unsigned int* counters,
+    unsigned long long* waits) {
   extern __shared__ __align__(128) uint4 ring[];  // [kWarps][STAGES][2 kKc / 16], then x as f16: [2][kMaxChunks][256]
   uint4* xq = ring + kWarps * STAGES * (2 * kKc / 16);
   __shared__ Shared sh;
@@ -240,8 +306,8 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
   for (int i = threadIdx.x; i < kTiles * kWarps; i += blockDim.x) sh.tiles[i / kWarps][i % kWarps] = 0;
   if (TAGGED && threadIdx.x == 0) sh.epoch = __ldcg(counters);
   __syncthreads();
-  const Walk walk{n, k, group, num_ops};
-  const Ops ops{w, s, x, o, n, k, num_ops, counters, waits, TAGGED ? sh.epoch : 0u};
+  const Walk walk{n, k, meta, num_ops};
+  const Ops ops{w, s, x, o, n, k, meta, aux, res, num_ops, counters, waits, TAGGED ? sh.epoch : 0u};
   const int warp = threadIdx.x >> 5;
   if (warp < kWarps)
     consume<STAGES, ACC, MODE, TAGGED>(walk, ops, sh, ring, xq);

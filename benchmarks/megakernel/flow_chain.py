@@ -74,7 +74,8 @@ def main():
         st, acc, mode, tagged = (spec.split("/") + ["1", "0", "0"][len(spec.split("/")) - 1:])[:4]
         picked.append((f"flow_chain::chain<{st}, {acc}, {mode}, {'true' if tagged == '1' else 'false'}>", int(st),
                        tuple(int(g) for g in grp.split(",")), tagged == "1"))
-    groups = {g: torch.tensor(list(g) * (len(ops) // 4), dtype=torch.int32, device=dev) for _, _, g, _ in picked}
+    groups = {g: torch.tensor(list(g) * (len(ops) // 4), dtype=torch.int32, device=dev) for _, _, g, _ in picked}  # meta
+    no_ptrs = torch.zeros(len(ops), dtype=torch.int64, device=dev)  # aux and res: no norm, no residual
     ring5 = "ring_chain::chain<6, true, 0, 0>"
     here = Path(__file__).parent
     code = "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_chain.cu"))
@@ -100,7 +101,8 @@ def main():
         if not tagged:
             counters.zero_()
         args = tuple(t.data_ptr() for t in (table32 if tagged else table)) + (
-            groups[group].data_ptr(), np.int32(len(ops)), (epoch if tagged else counters).data_ptr(),
+            groups[group].data_ptr(), no_ptrs.data_ptr(), no_ptrs.data_ptr(), np.int32(len(ops)),
+            (epoch if tagged else counters).data_ptr(),
             waits.data_ptr() if tracing else 0)
         cuda_launch.launch(kernels[name], (sms,), THREADS, args, smem(stages, True), dev)
 

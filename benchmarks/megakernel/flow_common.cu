@@ -54,6 +54,7 @@ __device__ __forceinline__ unsigned int f16x2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
   return v;
 }
+__device__ __forceinline__ float round_bf16(float v) { return bf16::round(v).value(); }
 __device__ __forceinline__ unsigned long long now() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -68,13 +69,13 @@ struct Unit {
   __device__ __forceinline__ int st() const { return st0 + g * static_cast<int>(gridDim.x); }
 };
 struct Walk {
-  const int *n, *k, *group;
+  const int *n, *k, *meta;  // meta[j] & 0xFF: op j's group
   int num_ops;
   __device__ __forceinline__ int supers(int j) const { return (n[j] + kRows - 1) / kRows; }
   __device__ __forceinline__ bool start_group(Unit& u) const {
     while (u.j < num_ops && u.st0 >= supers(u.j)) u.st0 -= supers(u.j), ++u.j;
     if (u.j >= num_ops) return false;
-    u.gs = min(group[u.j], (supers(u.j) - 1 - u.st0) / static_cast<int>(gridDim.x) + 1);
+    u.gs = min(meta[u.j] & 0xFF, (supers(u.j) - 1 - u.st0) / static_cast<int>(gridDim.x) + 1);
     u.c = u.g = 0;
     return true;
   }
@@ -99,50 +100,66 @@ struct Shared {
   float part[kWarps][kMaxGroup][2];    // lane 0's partial sums of its two rows, a super-tile of the group
   volatile unsigned long long tiles[kTiles][kWarps];  // (tile number + 1) << 32 | the warp's 2 rows, bf16
   float chunk_max[kControl / 32];
+  float chunk_sq[kControl / 32];  // a norm's sums of squares, a stager warp's share of a chunk
+  float rnorm[2];                 // a norm's 1 / rms, an x buffer's (written with its last chunk)
   unsigned int epoch;
 };
+// An op's input and output (TAGGED only; kind 0 and no residual otherwise), in meta[j] = group | kind << 8:
+//   kind 0: x as the previous op wrote it;
+//   kind 1: RMSNorm(x) * aux[j] (the norm's weight, bf16), with the norm's 1 / rms folded into the output rows
+//           (W (x g) / rms: x g is staged, each chunk as it comes, and the rows are scaled once all are in);
+//   kind 2: SiLU(x[:k]) * x[k:2k] (a gate/up output), each rounded to bf16 as a model's MLP rounds it;
+//   kind 3: the same of a gate/up output whose rows alternate 2,048 of gate and 2,048 of up (its weight's rows so
+//           permuted), so that a chunk's gate and up rows are finished at about the same time.
+// res[j] (or 0): a residual added to the output rows (the op two back wrote it, or, for the first two ops, before the
+// launch), as bf16(res + bf16(row)).
 struct Ops {
   const long long *w, *s, *x, *o;
-  const int *n, *k;
+  const int *n, *k, *meta;
+  const long long *aux, *res;
   int num_ops;
   unsigned int* counters;
   unsigned long long* waits;
   unsigned int epoch;
-  __device__ __forceinline__ unsigned int tag_of(int j) const {  // of op j's output (TAGGED)
-    return (epoch * static_cast<unsigned int>(num_ops) + j + 1) & 0xFFFFu;
+  __device__ __forceinline__ unsigned int tag_of(int j) const {  // of op j's output (TAGGED; > 0xFFFF: none to check)
+    return j < 0 ? 0x10000u : (epoch * static_cast<unsigned int>(num_ops) + j + 1) & 0xFFFFu;
   }
+  __device__ __forceinline__ int kind(int j) const { return meta[j] >> 8; }
 };
 
 // A stager's share of a chunk of x, E vectors of 8 activations (vector ct + u * stride, those below kChunkVectors), as
 // float: bf16 (a 16-byte vector each), or with TAGGED 32-bit tagged values (two vectors each), all read at once, and
-// again (all) until every tag is `tag` (tag > 0xFFFF: no check).
-template <bool TAGGED, int E>
-__device__ __forceinline__ void load_x(const long long base, int ct, int stride, unsigned int tag, float (&f)[E][8]) {
+// again (all) until every tag is `tag` (tag > 0xFFFF: no check). With P = 2 (TAGGED), the same share of a second
+// chunk at base2 as well, polled together (f[E + u]: base2's).
+template <bool TAGGED, int E, int P = 1>
+__device__ __forceinline__ void load_x(const long long base, const long long base2, int ct, int stride, unsigned int tag,
+                                       float (&f)[P * E][8]) {
   if constexpr (TAGGED) {
-    const uint4* src = reinterpret_cast<const uint4*>(base);
-    unsigned int words[E][8];
+    unsigned int words[P * E][8];
     while (true) {
 #pragma unroll
-      for (int u = 0; u < E; ++u) {
-        if (ct + u * stride >= kChunkVectors) continue;
-        const uint4 a = __ldcg(src + 2 * (ct + u * stride)), b = __ldcg(src + 2 * (ct + u * stride) + 1);
+      for (int u = 0; u < P * E; ++u) {
+        if (ct + (u % E) * stride >= kChunkVectors) continue;
+        const uint4* src = reinterpret_cast<const uint4*>(u < E ? base : base2) + 2 * (ct + (u % E) * stride);
+        const uint4 a = __ldcg(src), b = __ldcg(src + 1);
         words[u][0] = a.x, words[u][1] = a.y, words[u][2] = a.z, words[u][3] = a.w;
         words[u][4] = b.x, words[u][5] = b.y, words[u][6] = b.z, words[u][7] = b.w;
       }
       bool ready = true;
 #pragma unroll
-      for (int u = 0; u < E; ++u)
+      for (int u = 0; u < P * E; ++u)
 #pragma unroll
         for (int q = 0; q < 8; ++q)
-          ready = ready && (tag > 0xFFFFu || ct + u * stride >= kChunkVectors || (words[u][q] >> 16) == tag);
+          ready = ready && (tag > 0xFFFFu || ct + (u % E) * stride >= kChunkVectors || (words[u][q] >> 16) == tag);
       if (ready) break;
       __nanosleep(20);
     }
 #pragma unroll
-    for (int u = 0; u < E; ++u)
+    for (int u = 0; u < P * E; ++u)
 #pragma unroll
       for (int q = 0; q < 8; ++q) f[u][q] = __uint_as_float(words[u][q] << 16);
   } else {
+    static_assert(P == 1, "a second chunk is read with tagged data only");
 #pragma unroll
     for (int u = 0; u < E; ++u) {
       if (ct + u * stride >= kChunkVectors) continue;
