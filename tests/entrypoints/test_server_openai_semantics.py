@@ -102,3 +102,47 @@ def test_a_priority_without_the_priority_policy_is_a_400_naming_it(client, endpo
     assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
     ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 0})
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_validation_errors_name_the_field_and_the_bad_value(client):
+    """A bad member of a union with a model (tool_choice's named function) is named by its own path, without pydantic's
+    class name in it; a bad scalar is quoted back in the message."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**chat, tool_choice={"type": "function"})
+    assert info.value.body["param"] == "tool_choice.function", info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**chat, tool_choice={"type": "function", "function": {"name": 5}})
+    assert info.value.body["param"] == "tool_choice.function.name", info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**chat, tool_choice="sometimes")
+    assert info.value.body["param"] == "tool_choice" and "got 'sometimes'" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**chat, temperature="hot")
+    assert info.value.body["param"] == "temperature" and "got 'hot'" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", seed=2**64)
+    assert info.value.body["param"] == "seed" and f"got {2**64}" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # a long value is cut short
+        client.completions.create(model=MODEL, prompt="hi", seed=10**4000)
+    assert info.value.body["param"] == "seed" and len(info.value.body["message"]) < 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompt_logprobs_with_stream_is_a_400(client, endpoint):
+    """As vLLM: a stream has no field for prompt logprobs, so asking for them is refused (they were dropped quietly);
+    unstreamed they come back."""
+    def create(**kwargs):
+        if endpoint == "completions":
+            return client.completions.create(model=MODEL, prompt="hi there", max_tokens=2, **kwargs)
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                              **kwargs)
+
+    with pytest.raises(openai.BadRequestError) as info:
+        create(stream=True, extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs" and "stream" in info.value.body["message"]
+    assert list(create(stream=True, extra_body={"prompt_logprobs": 0}))  # nothing to drop: served, as vLLM does
+    out = create(extra_body={"prompt_logprobs": 1})
+    extra = out.choices[0].model_extra if endpoint == "completions" else out.model_extra
+    assert extra["prompt_logprobs"][0] is None and len(extra["prompt_logprobs"]) > 1

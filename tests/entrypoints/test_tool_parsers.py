@@ -96,6 +96,19 @@ def test_hermes_malformed_call_falls_back_to_content(text):
         assert calls == [] and content == text
 
 
+@pytest.mark.parametrize("text", [
+    "a <tool_call>not json</tool_call> b",
+    'Hi.\n<tool_call>\n{"arguments": {}}\n</tool_call>\nBye.',
+    "a <tool_call>bad</tool_call> b <tool_call>x",
+    "a <tool_call>",  # cut short by max_tokens right after the tag
+    'hi <tool_call>{"name"',  # or before the name is whole
+])
+def test_hermes_text_that_makes_no_call_streams_as_written(text):
+    """Streamed, a block that is no call kept the whitespace around it dropped (and a newline added), and an open
+    block at the end was lost; the whole output gives the text as it is."""
+    check("hermes", text, text, [])
+
+
 def test_hermes_malformed_call_among_good_ones_makes_all_content():
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {oops}</tool_call>'
     assert whole(get_tool_parser("hermes")(), text) == (text, [])

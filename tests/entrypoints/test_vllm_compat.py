@@ -76,6 +76,20 @@ def test_generation_config_gives_the_defaults_a_request_leaves_unset(client):
     assert chat(client, max_tokens=5, extra_body=NO_EOS).usage.completion_tokens == 5  # the request's own value wins
 
 
+def test_the_generation_config_max_tokens_is_clamped_to_the_context(client):
+    """As vLLM: the model's default max_new_tokens (3) is a cap, so a prompt that leaves less room gets what is left
+    rather than a 400 about a max_tokens the request never set; a request's own max_tokens is still checked."""
+    prompt = [5] * 254  # SERVER_FLAGS' max_model_len 256: room for 2
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=None, extra_body=NO_EOS)
+    assert out.usage.completion_tokens == 2 and out.choices[0].finish_reason == "length"
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 253}],
+                                         extra_body=NO_EOS)  # templated: 255 tokens
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (255, 1)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256") as info:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=3)
+    assert info.value.body["param"] == "max_tokens"
+
+
 def test_vllm_metric_names_and_inter_token_latency(server, client):
     def itl_count(prefix: str) -> float:
         return server.metric(prefix + "inter_token_latency_seconds_count")

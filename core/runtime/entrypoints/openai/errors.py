@@ -7,6 +7,7 @@ error response is counted in the app's metrics.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.engine.core_client import EngineDeadError, RequestFailedError
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from runtime.entrypoints.openai.protocol_base import OpenAIBaseModel
 from runtime.entrypoints.openai.responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -99,9 +101,28 @@ def _most_specific(errors: list[dict]) -> dict:
     return max(errors, key=progress)
 
 
-def _is_union_tag(part) -> bool:
-    """pydantic's name of a union member in an error location ("list[constrained-int]", "str")."""
-    return isinstance(part, str) and (any(c in part for c in "[]-") or part in _UNION_TAGS)
+def _model_names() -> set[str]:
+    """Names of the request models: pydantic tags a union member that is a model with its class name."""
+    names, todo = set(), [OpenAIBaseModel]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def _is_union_tag(part, model_names: set[str]) -> bool:
+    """pydantic's name of a union member in an error location ("list[constrained-int]", "str", "NamedToolChoice")."""
+    return isinstance(part, str) and (any(c in part for c in "[]-") or part in _UNION_TAGS or part in model_names)
+
+
+def _shown_input(error: dict) -> str:
+    """", got VALUE" for an error about a scalar value (so the message names it), else ""."""
+    value = error.get("input")
+    if error.get("type") == "missing" or not isinstance(value, (str, int, float, bool, type(None))):
+        return ""
+    text = repr(value[:61]) if isinstance(value, str) else json.dumps(value)
+    return f", got {text[:60]}..." if len(text) > 60 else f", got {text}"
 
 
 def _body_message(error: dict) -> str:
@@ -120,9 +141,10 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return error_response(request, OpenAIError(f"the request body is not valid JSON: {detail}", 400))
-    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
+    model_names = _model_names()
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part, model_names)]
     param = ".".join(loc) or None
-    message = f"{param}: {first.get('msg')}" if param else _body_message(first)
+    message = f"{param}: {first.get('msg')}{_shown_input(first)}" if param else _body_message(first)
     return error_response(request, OpenAIError(message, 400, param=param))
 
 

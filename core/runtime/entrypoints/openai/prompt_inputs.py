@@ -14,19 +14,23 @@ from runtime.sampling_params import SamplingParams
 
 
 def checked_input(
-    processor: InputProcessor, prompt_token_ids: list[int], text: str | None, params: SamplingParams, max_tokens_param: str
+    processor: InputProcessor, prompt_token_ids: list[int], text: str | None, params: SamplingParams,
+    max_tokens_param: str | None,
 ) -> dict:
     """The engine input of one tokenized prompt (its last ``truncate_prompt_tokens`` tokens where the request asks for
-    that); ValueError naming the field if it cannot run."""
+    that); ValueError naming the field if it cannot run. ``max_tokens_param`` is the request field that set
+    ``params.max_tokens``; None when the request set none (a model default, lowered to the room left, is no error)."""
     prompt_token_ids, text = processor.truncate(prompt_token_ids, text, params)
     processor.validate(prompt_token_ids, params)
     max_model_len = processor.model_config.max_model_len
-    check_context_length(len(prompt_token_ids), params.max_tokens, max_model_len, max_tokens_param, params.min_tokens)
+    max_tokens = params.max_tokens if max_tokens_param is not None else None
+    check_context_length(len(prompt_token_ids), max_tokens, max_model_len, max_tokens_param or "max_tokens",
+                         params.min_tokens)
     return {"prompt_token_ids": prompt_token_ids} if text is None else {"prompt_token_ids": prompt_token_ids, "prompt": text}
 
 
 def tokenize_prompts(
-    processor: InputProcessor, prompts: list[PromptType], params: SamplingParams, max_tokens_param: str = "max_tokens"
+    processor: InputProcessor, prompts: list[PromptType], params: SamplingParams, max_tokens_param: str | None = "max_tokens"
 ) -> list[dict]:
     """``checked_input`` of each prompt (text or token ids), in order."""
     inputs = []

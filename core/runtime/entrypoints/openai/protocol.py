@@ -18,7 +18,9 @@ from pydantic import Field
 
 from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, JsonObject, OpenAIBaseModel, Texts, TokenIdLists, TokenIds
 from runtime.entrypoints.openai.protocol_chat import ChatCompletionRequest, ChatMessage
-from runtime.entrypoints.openai.protocol_sampling import SamplingFields, StreamOptions, check_logprobs, parse_logit_bias
+from runtime.entrypoints.openai.protocol_sampling import (
+    SamplingFields, StreamOptions, check_logprobs, check_prompt_logprobs, parse_logit_bias,
+)
 from runtime.entrypoints.openai.protocol_tools import MAX_TOOLS, ChatTool, required_tools_schema
 
 __all__ = [  # the request models, and names imported from here before they moved to protocol_*
@@ -50,7 +52,7 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
     def _prompt_logprobs(self) -> int | None:
-        check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
         if self.prompt_logprobs is not None:
             return self.prompt_logprobs
         return self.logprobs if self.echo and self.logprobs is not None else None

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from runtime.entrypoints.openai.protocol_base import Int64, InvalidField, JsonObject, OpenAIBaseModel, check_free_json
-from runtime.entrypoints.openai.protocol_sampling import SamplingFields, check_logprobs
+from runtime.entrypoints.openai.protocol_sampling import SamplingFields, check_logprobs, check_prompt_logprobs
 from runtime.entrypoints.openai.protocol_structured import structured_params
 from runtime.entrypoints.openai.protocol_tools import (
     MAX_TOOLS, ChatTool, NamedToolChoice, ToolCallIn, named_tool_schema, required_tools_schema,
@@ -103,7 +103,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: JsonObject | None = None
     tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; "required" may give several calls, a named choice one
+    parallel_tool_calls: bool | None = None  # false: at most one call in a message (a named choice makes one)
     echo: bool = False  # vLLM's: the reply starts with the last message's content when that message has the reply's role
     prompt_logprobs: Int64 | None = None  # vLLM's: the templated prompt's logprobs, in the response's prompt_logprobs
 
@@ -135,7 +135,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def _prompt_logprobs(self) -> int | None:
-        check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
         return self.prompt_logprobs
 
     @property
@@ -188,7 +188,7 @@ class ChatCompletionRequest(SamplingFields):
             return structured_params("tools", json=named_tool_schema(self.named_tool()))
         if mode == "required":
             self.check_tools()
-            return structured_params("tools", json=required_tools_schema(self.tools))
+            return structured_params("tools", json=required_tools_schema(self.tools, self.parallel_tool_calls is not False))
         return super().structured_output_params()
 
     def structured_output_field(self) -> str | None:

@@ -97,6 +97,10 @@ class SamplingFields(OpenAIBaseModel):
         except ValueError as exc:
             raise self._renamed(exc) from None
 
+    def asks_max_tokens(self) -> bool:
+        """Whether the request itself sets the most tokens to generate (else the model's default, or the context)."""
+        return self._max_tokens() is not None
+
     def max_tokens_param(self) -> str:
         """The request field that gave SamplingParams.max_tokens, as errors name it."""
         return "max_tokens"
@@ -235,6 +239,15 @@ def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
             raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token_id}")
         parsed[token_id] = value
     return parsed
+
+
+def check_prompt_logprobs(value: int | None, stream: bool) -> None:
+    """vLLM's: a streamed response has no place for prompt logprobs, so asking for them there is a 400 (it was
+    answered without them)."""
+    check_logprobs("prompt_logprobs", value)
+    if stream and value:
+        raise InvalidField("prompt_logprobs", f"prompt_logprobs ({value}) is not available with stream: true; "
+                                              "drop it or send the request unstreamed")
 
 
 def check_logprobs(name: str, value: int | None) -> None:

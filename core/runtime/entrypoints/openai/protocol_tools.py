@@ -57,15 +57,26 @@ def tool_parameters(tool: ChatTool) -> dict[str, Any]:
     return params if params else {"type": "object"}
 
 
-def _hoist_defs(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` without its ``$defs``/``definitions``, which move into ``defs`` (nested under a
-    new root, ``#/$defs/X`` references still resolve there)."""
-    schema = dict(schema)
-    for key in ("$defs", "definitions"):
-        inner = schema.pop(key, None)
-        if isinstance(inner, dict):
-            defs.setdefault(key, {}).update(inner)
-    return schema
+_VALUE_KEYWORDS = frozenset({"const", "default", "enum", "examples"})  # their values are data, not schemas
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})  # name -> schema
+
+
+def _relocated(schema: Any, base: str, is_map: bool = False) -> Any:
+    """``schema`` moved to the JSON pointer ``base`` of a larger schema: each local reference (``#`` or ``#/...``,
+    which meant the schema's own root) made to start at ``base``. ``is_map``: ``schema`` maps names to schemas."""
+    if isinstance(schema, list):
+        return [_relocated(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if is_map:  # a property (or definition) name, whatever it is called
+            moved[key] = _relocated(value, base)
+        elif key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = base + value[1:]
+        else:
+            moved[key] = value if key in _VALUE_KEYWORDS else _relocated(value, base, key in _SCHEMA_MAPS)
+    return moved
 
 
 def named_tool_schema(tool: ChatTool) -> dict[str, Any]:
@@ -73,20 +84,25 @@ def named_tool_schema(tool: ChatTool) -> dict[str, Any]:
     return tool_parameters(tool)
 
 
-def required_tools_schema(tools: list[ChatTool]) -> dict[str, Any]:
-    """The output of ``tool_choice: "required"``: a JSON array of at least one
-    ``{"name": ..., "parameters": {...}}``, each the name and arguments of one of ``tools``."""
+def required_tools_schema(tools: list[ChatTool], parallel: bool = True) -> dict[str, Any]:
+    """The output of ``tool_choice: "required"``: a JSON array of at least one (exactly one when not
+    ``parallel``) ``{"name": ..., "parameters": {...}}``, each the name and arguments of one of ``tools``."""
+    # Each tool's parameters sit in $defs under a name of their own, where their references (to their own $defs
+    # or properties) are rewritten to resolve: two tools may both define "#/$defs/P", each its own.
     defs: dict[str, Any] = {}
     options = []
-    for tool in tools:
+    for i, tool in enumerate(tools):
+        key = f"parameters_{i}"
+        defs[key] = _relocated(tool_parameters(tool), f"#/$defs/{key}")
         options.append({
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [tool.function.name]},
-                "parameters": _hoist_defs(tool_parameters(tool), defs),
+                "parameters": {"$ref": f"#/$defs/{key}"},
             },
             "required": ["name", "parameters"],
         })
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
-    schema.update(defs)
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": options}, "$defs": defs}
+    if not parallel:
+        schema["maxItems"] = 1
     return schema

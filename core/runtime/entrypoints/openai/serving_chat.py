@@ -49,7 +49,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         request.check_supported()
         self._check_tool_choice(request)
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.default_max_tokens())
         self.ctx.limits.check_n(request.n)
         prompt = await asyncio.to_thread(self._checked_prompt, request, params)  # templating and tokenizing
         request_id = self.new_request_id("chatcmpl")
@@ -121,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt = self.render_prompt(request)
         try:
             return checked_input(self.engine.input_processor, prompt["prompt_token_ids"], prompt["prompt"], params,
-                                 request.max_tokens_param())
+                                 request.max_tokens_param() if request.asks_max_tokens() else None)
         except ValueError as exc:  # a chat request has no prompt field: the templated messages are its prompt
             if getattr(exc, "param", None) is None and param_of(str(exc)) == "prompt":
                 raise InvalidField("messages", f"messages (as the chat template renders them): {exc}") from None
@@ -139,6 +139,8 @@ class OpenAIServingChat(OpenAIServing):
             reader = self.tool_call_reader(request)
             if reader is not None:
                 content, calls = reader.extract_tool_calls(output.text)
+                if request.parallel_tool_calls is False:  # OpenAI's: then a message has at most one call
+                    calls = calls[:1]
                 tool_calls = [
                     ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
                     for call in calls
@@ -232,6 +234,8 @@ class OpenAIServingChat(OpenAIServing):
                 content = (content or "") + (tail or "") or None
                 deltas = deltas + last
                 finish_reason = _finish_reason(request, finish_reason, reader.num_streamed_calls > 0)
+            if request.parallel_tool_calls is False:  # only the first call, as the unary response keeps
+                deltas = [d for d in deltas if d.index == 0]
             tool_calls = [_delta_tool_call(d) for d in deltas] or None
         if not content and tool_calls is None and logprobs is None and finish_reason is None:
             return None

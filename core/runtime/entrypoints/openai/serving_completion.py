@@ -36,10 +36,11 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest):
         model = self.check_model(request.model)
         request.check_supported()
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.default_max_tokens())
         prompts = request.prompts()
         self.ctx.limits.check_n(request.n, len(prompts))
-        inputs = await asyncio.to_thread(tokenize_prompts, self.engine.input_processor, prompts, params)
+        max_tokens_param = "max_tokens" if request.asks_max_tokens() else None
+        inputs = await asyncio.to_thread(tokenize_prompts, self.engine.input_processor, prompts, params, max_tokens_param)
         request_id = self.new_request_id("cmpl")
         try:
             started = await self.start_all(inputs, params, request_id, request.priority)

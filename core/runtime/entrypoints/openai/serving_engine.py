@@ -60,12 +60,16 @@ class OpenAIServing:
         raise model_not_found(name, self.ctx.served_model_names)
 
     def with_model_defaults(self, request):
-        """``request`` with the model's default sampling values (``--generation-config``) in the fields it leaves unset."""
+        """``request`` with the model's default sampling values (``--generation-config``) in the fields it leaves unset;
+        its max_tokens is not one of them (see ``default_max_tokens``)."""
         defaults = self.engine.model_config.default_sampling_params
         updates = {k: v for k, v in defaults.items() if k != "max_tokens" and getattr(request, k, None) is None}
-        if "max_tokens" in defaults and request.max_tokens is None and getattr(request, "max_completion_tokens", None) is None:
-            updates["max_tokens"] = defaults["max_tokens"]
         return request.model_copy(update=updates) if updates else request
+
+    def default_max_tokens(self) -> int | None:
+        """The model's default max_tokens (``--generation-config``): a cap for a request that sets none, which the
+        engine lowers to the room the prompt leaves (as vLLM), so it is not checked against the context."""
+        return self.engine.model_config.default_sampling_params.get("max_tokens")
 
     @staticmethod
     def new_request_id(prefix: str) -> str:

@@ -104,6 +104,7 @@ class ContentStream:
 
     def __init__(self) -> None:
         self.pending = ""
+        self.held = ""  # the whitespace before the block that may be a call, for when it is not one
         self.after_call = False
         self.emitted = False
 
@@ -122,7 +123,12 @@ class ContentStream:
         return body
 
     def call_starts(self) -> None:
-        self.pending = ""
+        self.held, self.pending = self.pending, ""
+
+    def not_a_call(self, text: str) -> str:
+        """The text of a block that turned out not to be a call: content as written, with the whitespace before it."""
+        held, self.held = self.held, ""
+        return self.push(held + text)
 
     def call_ends(self) -> None:
         self.after_call = True

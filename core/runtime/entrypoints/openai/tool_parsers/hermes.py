@@ -87,8 +87,11 @@ class HermesToolParser(ToolParser):
 
     def finish(self) -> DeltaToolCalls:
         result = self._advance(final=True)
+        unread = None
+        if self._block_start is not None and self._block_scan.name is None:  # an open block that never made a call
+            unread = self._content.not_a_call(self._text[self._block_start - len(START):])
         tail = self._content.flush()
-        return DeltaToolCalls(join_deltas([result.content, tail]), result.calls)
+        return DeltaToolCalls(join_deltas([result.content, unread, tail]), result.calls)
 
     def _advance(self, final: bool) -> DeltaToolCalls:
         text = self._text
@@ -116,9 +119,9 @@ class HermesToolParser(ToolParser):
                 break
             if self._block_scan.name is not None:
                 self._scans.append(self._block_scan)
-            else:  # not a call: its text is content
-                content.append(self._content.push(START + inner + END))
-            self._content.call_ends()
+                self._content.call_ends()
+            else:  # not a call: its text is content, as written
+                content.append(self._content.not_a_call(START + inner + END))
             self._block_start = None
             self._pos = end + len(END)
         return DeltaToolCalls(join_deltas(content), calls)
