@@ -5,7 +5,7 @@ and shared-memory use, and optionally disassemble (nvdisasm from PyPI):
     (cd /tmp/nvrtc && for f in *.whl; do python -m zipfile -e $f x/; done; chmod +x x/nvidia/cu13/bin/nvdisasm)
     python benchmarks/megakernel/compile_check.py "flow_chain::chain<5, 2, 0, true>" [--sass OUT.sass]
 
-The code is ring_chain.cu, flow_common.cu and flow_chain.cu, as flow_chain.py compiles it; NAME: a template instance."""
+The code is ring_chain.cu, flow_common.cu, flow_attention.cu and flow_chain.cu, as flow_chain.py compiles it."""
 import argparse
 import ctypes
 import subprocess
@@ -21,7 +21,7 @@ def main():
     parser.add_argument("--sass", help="write the disassembly here")
     args = parser.parse_args()
     lib = ctypes.CDLL(str(ROOT / "lib" / "libnvrtc.so.13"))
-    code = "".join((HERE / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_chain.cu"))
+    code = "".join((HERE / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_attention.cu", "flow_chain.cu"))
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"chain.cu", 0, None, None) == 0
     for name in args.names:

@@ -58,6 +58,12 @@ __device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
   float sum_sq = 0.0f;  // stager 0: a norm's sum of squares over the chunks so far
   for (int j = 0; j < ops.num_ops; ++j) {
     const int buf = j & 1;
+    if constexpr (TAGGED) {
+      const int kind = ops.kind(j);
+      if (kind == 4) attention_split(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct / 32);
+      if (kind == 5) attention_merge(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct);
+      if (kind >= 4) continue;
+    }
     if (j >= 2 && ct == 0) {  // the buffer held op j - 2's x: every consumer warp must be through with it
       for (int i = 0; i < kWarps; ++i)
         while (load_acquire_cta(sh.progress + i) < j - 1) {
@@ -251,9 +257,9 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
         unsigned int lo = row < nj ? bf16::round(r0 * scale[row]).bits : 0;
         unsigned int hi = row + 1 < nj ? bf16::round(r1 * scale[row + 1]).bits : 0;
         if constexpr (TAGGED) {  // requires an even n: both rows exist
-          if (ops.res[cur.j] != 0) {  // + the residual (the op two back wrote it, or it came before the launch)
+          if (ops.res[cur.j] != 0) {  // + the residual (an op before wrote it, or it came before the launch)
             const unsigned int* res = reinterpret_cast<const unsigned int*>(ops.res[cur.j]) + row;
-            const unsigned int want = ops.tag_of(cur.j - 2);
+            const unsigned int want = ops.tag_of(ops.residual_from(cur.j));
             unsigned long long v = res_ahead;
             auto stale = [&] { return want <= 0xFFFFu && ((v >> 16 & 0xFFFF) != want || (v >> 48) != want); };
             if (cur.gs > 1 || stale()) {  // not asked for ahead, or (never seen) not there yet

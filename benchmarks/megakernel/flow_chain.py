@@ -78,7 +78,7 @@ def main():
     no_ptrs = torch.zeros(len(ops), dtype=torch.int64, device=dev)  # aux and res: no norm, no residual
     ring5 = "ring_chain::chain<6, true, 0, 0>"
     here = Path(__file__).parent
-    code = "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_chain.cu"))
+    code = "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_attention.cu", "flow_chain.cu"))
     kernels = cuda_launch.compile_kernels(code, sorted({p[0] for p in picked}) + [ring5], 0)
     assert kernels is not None, "compile failed (see log)"
     set_attr = cuda_launch._driver_function("cuFuncSetAttribute", (ctypes.c_void_p, ctypes.c_int, ctypes.c_int))

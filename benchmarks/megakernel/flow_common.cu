@@ -28,6 +28,13 @@ __device__ __forceinline__ unsigned int load_relaxed(const unsigned int* p) {
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// A 16-byte load the compiler may not assume unchanged between iterations of a polling loop (a plain load's loop was
+// compiled as if it ended at once).
+__device__ __forceinline__ uint4 load_relaxed128(const uint4* p) {
+  uint4 w;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w.x), "=r"(w.y), "=r"(w.z), "=r"(w.w) : "l"(p) : "memory");
+  return w;
+}
 __device__ __forceinline__ int load_acquire_cta(const volatile int* p) {
   int v;
   asm volatile("ld.acquire.cta.shared.u32 %0, [%1];" : "=r"(v) : "r"(ring_chain::smem_addr(const_cast<int*>(p))) : "memory");
@@ -104,15 +111,17 @@ struct Shared {
   float rnorm[2];                 // a norm's 1 / rms, an x buffer's (written with its last chunk)
   unsigned int epoch;
 };
-// An op's input and output (TAGGED only; kind 0 and no residual otherwise), in meta[j] = group | kind << 8:
+// An op's input and output (TAGGED only; kind 0 and no residual otherwise), in meta[j] = group | kind << 8 |
+// (how many ops back its residual was written, 0: 2) << 16:
 //   kind 0: x as the previous op wrote it;
 //   kind 1: RMSNorm(x) * aux[j] (the norm's weight, bf16), with the norm's 1 / rms folded into the output rows
 //           (W (x g) / rms: x g is staged, each chunk as it comes, and the rows are scaled once all are in);
 //   kind 2: SiLU(x[:k]) * x[k:2k] (a gate/up output), each rounded to bf16 as a model's MLP rounds it;
 //   kind 3: the same of a gate/up output whose rows alternate 2,048 of gate and 2,048 of up (its weight's rows so
 //           permuted), so that a chunk's gate and up rows are finished at about the same time.
-// res[j] (or 0): a residual added to the output rows (the op two back wrote it, or, for the first two ops, before the
-// launch), as bf16(res + bf16(row)).
+//   kinds 4 and 5: attention and its merge (flow_attention.cu), ops without rows.
+// res[j] (or 0): a residual added to the output rows (an op before wrote it, or it came before the launch), as
+// bf16(res + bf16(row)).
 struct Ops {
   const long long *w, *s, *x, *o;
   const int *n, *k, *meta;
@@ -124,7 +133,11 @@ struct Ops {
   __device__ __forceinline__ unsigned int tag_of(int j) const {  // of op j's output (TAGGED; > 0xFFFF: none to check)
     return j < 0 ? 0x10000u : (epoch * static_cast<unsigned int>(num_ops) + j + 1) & 0xFFFFu;
   }
-  __device__ __forceinline__ int kind(int j) const { return meta[j] >> 8; }
+  __device__ __forceinline__ int kind(int j) const { return (meta[j] >> 8) & 0xFF; }
+  __device__ __forceinline__ int residual_from(int j) const {  // the op that wrote op j's residual
+    const int back = (meta[j] >> 16) & 0xFF;
+    return j - (back ? back : 2);
+  }
 };
 
 // A stager's share of a chunk of x, E vectors of 8 activations (vector ct + u * stride, those below kChunkVectors), as
@@ -141,7 +154,7 @@ __device__ __forceinline__ void load_x(const long long base, const long long bas
       for (int u = 0; u < P * E; ++u) {
         if (ct + (u % E) * stride >= kChunkVectors) continue;
         const uint4* src = reinterpret_cast<const uint4*>(u < E ? base : base2) + 2 * (ct + (u % E) * stride);
-        const uint4 a = __ldcg(src), b = __ldcg(src + 1);
+        const uint4 a = load_relaxed128(src), b = load_relaxed128(src + 1);
         words[u][0] = a.x, words[u][1] = a.y, words[u][2] = a.z, words[u][3] = a.w;
         words[u][4] = b.x, words[u][5] = b.y, words[u][6] = b.z, words[u][7] = b.w;
       }

@@ -1,17 +1,23 @@
-"""W3's 32 layers without attention as one persistent kernel (design 8: flow_chain.cu with TAGGED and the ops'
-kinds). A layer, FP8 weights (7 GB in all), bf16 activations, as a Llama layer rounds them:
+"""W3's 32 layers as one persistent kernel (flow_chain.cu with TAGGED and the ops' kinds). A layer, FP8 weights (7 GB
+in all), bf16 activations, as a Llama layer rounds them:
 
     qkv = W_qkv RMSNorm(h)                    (the norm's 1 / rms folded into qkv's rows)
-    h1 = h + W_o qkv[:4096]                   (qkv's first 4,096 values stand in for attention's output)
+    a = attention(qkv)                        (design 9, "a" variants: rotary, the new k and v into the cache,
+                                               split-KV over positions 0..pos, the splits merged; design 8: a is
+                                               qkv's first 4,096 values)
+    h1 = h + W_o a
     gate_up = W_gu RMSNorm(h1)
     h = h1 + W_down (SiLU(gate) * up)
 
-    python3 benchmarks/megakernel/layer_chain.py [STAGES/ACC[/i]:G,G,G,G ...]   ms a step (median of 7 x 20 graph
-        replays) and the max rel diff of the last h against torch in a model's rounding order; i: gate/up's rows
-        interleaved by 2,048 (gate, up, gate, ...), which down's staging reads as such
+    python3 benchmarks/megakernel/layer_chain.py [STAGES/ACC/FLAGS:G,G,G,G ...]   ms a step (median of 7 x 20 graph
+        replays) and the max rel diff of the last h against torch in a model's rounding order. FLAGS: i: gate/up's rows
+        interleaved by 2,048 (gate, up, gate, ...), which down's staging reads as such; a: attention (8 KV heads, 32
+        q heads, the KV cache's positions 0..POS - 1 random; POS=383, SPLITS=16 by default). G: the super-tiles a group
+        for qkv, o, gate_up and down.
     CHECK=1 ...   one layer, each op against torch from the kernel's own inputs
     WAITS=1 ...   also where the blocks wait (µs a step)"""
 import ctypes
+import math
 import os
 import sys
 from pathlib import Path
@@ -21,11 +27,12 @@ import torch
 
 from runtime_kernels import cuda_launch
 
-SH = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-KINDS = {"qkv": 1, "o": 0, "gate_up": 1, "down": 2}  # flow_common.cu's Ops: norm, as written, SiLU * up (3: interleaved)
+SH = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 LAYERS = 32
 THREADS = 384
 EPS = 1e-5
+KV_HEADS, GROUP, HEAD = 8, 4, 128
+ROPE_THETA = 500000.0
 
 
 def rms_norm(h, g):
@@ -46,34 +53,77 @@ def add(a, b):
     return (a.float() + b.float()).bfloat16()
 
 
+def rotary(x, cos, sin):  # x [heads, 128] bf16, as a model in bf16 computes x cos + rotate_half(x) sin
+    half = torch.cat([-x[:, HEAD // 2:], x[:, :HEAD // 2]], dim=1)
+    return add((x.float() * cos).bfloat16(), (half.float() * sin).bfloat16())
+
+
+def attention(qkv, k_cache, v_cache, pos, cos, sin):
+    """The attention output [4096] bf16, and the new k and v (rotary on k) as the cache should hold them."""
+    q = rotary(qkv[:4096].view(-1, HEAD), cos, sin)
+    k = rotary(qkv[4096:5120].view(KV_HEADS, HEAD), cos, sin)
+    v = qkv[5120:].view(KV_HEADS, HEAD)
+    keys = torch.cat([k_cache[:pos], k[None]]).float()  # [pos + 1, kv heads, 128]
+    values = torch.cat([v_cache[:pos], v[None]]).float()
+    out = []
+    for head in range(q.shape[0]):
+        logits = keys[:, head // GROUP] @ q[head].float() / math.sqrt(HEAD)
+        out.append(torch.softmax(logits, 0) @ values[:, head // GROUP])
+    return torch.cat(out).bfloat16(), k, v
+
+
 def main():
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
     check = bool(os.environ.get("CHECK"))
     layers = 1 if check else LAYERS
-    W = {name: (torch.randn(layers, n, k, device=dev) * 0.3).to(torch.float8_e4m3fn) for name, n, k in SH}
-    S = {name: (torch.rand(layers, n, device=dev) * 0.2 + 0.9) / (0.3 * k ** 0.5) for name, n, k in SH}
+    pos, splits = int(os.environ.get("POS", 383)), int(os.environ.get("SPLITS", 16))
+    W = {name: (torch.randn(layers, n, k, device=dev) * 0.3).to(torch.float8_e4m3fn) for name, (n, k) in SH.items()}
+    S = {name: (torch.rand(layers, n, device=dev) * 0.2 + 0.9) / (0.3 * k ** 0.5) for name, (n, k) in SH.items()}
     G = {name: (1 + 0.1 * torch.randn(layers, 4096, device=dev)).bfloat16() for name in ("qkv", "gate_up")}
+    K = torch.randn(layers, 1024, KV_HEADS, HEAD, device=dev).bfloat16()
+    V = torch.randn(layers, 1024, KV_HEADS, HEAD, device=dev).bfloat16()
+    inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, HEAD, 2, device=dev).float() / HEAD)
+    emb = torch.cat([pos * inv_freq, pos * inv_freq])
+    cos, sin = emb.cos().bfloat16().float(), emb.sin().bfloat16().float()
     h0 = torch.randn(4096, device=dev, dtype=torch.bfloat16)
-    buf = {"hA": 4096, "hB": 4096, "qkv": 6144, "gate_up": 28672}
+    buf = {"hA": 4096, "hB": 4096, "qkv": 6144, "gate_up": 28672, "attn": 4096}
     buf = {name: torch.zeros(n, device=dev, dtype=torch.int32) for name, n in buf.items()}
-    io = {"qkv": ("hA", "qkv", None), "o": ("qkv", "hB", "hA"), "gate_up": ("hB", "gate_up", None),
-          "down": ("gate_up", "hA", "hB")}  # x, out, residual
-    ops = [(name, l) for l in range(layers) for name, _, _ in SH]
-
-    def ptrs(values):
-        return torch.tensor(values, dtype=torch.int64, device=dev)
-
-    # gate/up's rows interleaved by 2,048 (for the "i" variants): gate chunk c, then up chunk c
+    partials = torch.zeros(32 * splits * 130, device=dev, dtype=torch.int64)
+    desc = torch.tensor([[K[l].data_ptr(), V[l].data_ptr(), cos.data_ptr(), sin.data_ptr(), pos, splits, KV_HEADS, GROUP]
+                         for l in range(layers)], dtype=torch.int64, device=dev)
+    # gate/up's rows interleaved by 2,048 (the "i" variants): gate chunk c, then up chunk c
     order = torch.arange(28672, device=dev).view(2, 7, 2048).transpose(0, 1).reshape(-1)
     Wi = W["gate_up"].view(torch.uint8)[:, order].contiguous().view(torch.float8_e4m3fn)  # (no fp8 indexing)
     Si = S["gate_up"][:, order].contiguous()
-    table = [ptrs([W[name][l].data_ptr() for name, l in ops]), ptrs([S[name][l].data_ptr() for name, l in ops]),
-             ptrs([buf[io[name][0]].data_ptr() for name, l in ops]), ptrs([buf[io[name][1]].data_ptr() for name, l in ops]),
-             torch.tensor([n for name, n, k in SH] * layers, dtype=torch.int32, device=dev),
-             torch.tensor([k for name, n, k in SH] * layers, dtype=torch.int32, device=dev)]
-    aux = ptrs([G[name][l].data_ptr() if name in G else 0 for name, l in ops])
-    res = ptrs([buf[io[name][2]].data_ptr() if io[name][2] else 0 for name, l in ops])
+
+    def build(flags, groups):
+        """The kernel's op tables: w, s, x, o, n, k, meta, aux, res."""
+        rows = []
+        for l in range(layers):
+            w = {name: (Wi if name == "gate_up" and "i" in flags else W[name])[l] for name in SH}
+            s = {name: (Si if name == "gate_up" and "i" in flags else S[name])[l] for name in SH}
+            gemv = {name: (w[name].data_ptr(), s[name].data_ptr(), *SH[name]) for name in SH}
+            rows.append((*gemv["qkv"], buf["hA"], buf["qkv"], groups[0] | 1 << 8, G["qkv"][l].data_ptr(), 0))
+            if "a" in flags:
+                d = desc[l].data_ptr()
+                rows.append((0, 0, 0, 0, buf["qkv"], partials, 1 | 4 << 8, d, 0))
+                rows.append((0, 0, 0, 0, partials, buf["attn"], 1 | 5 << 8, d, 0))
+                rows.append((*gemv["o"], buf["attn"], buf["hB"], groups[1] | 4 << 16, 0, buf["hA"]))
+            else:
+                rows.append((*gemv["o"], buf["qkv"], buf["hB"], groups[1], 0, buf["hA"]))
+            rows.append((*gemv["gate_up"], buf["hB"], buf["gate_up"], groups[2] | 1 << 8, G["gate_up"][l].data_ptr(), 0))
+            rows.append((*gemv["down"], buf["gate_up"], buf["hA"], groups[3] | (3 if "i" in flags else 2) << 8, 0,
+                         buf["hB"]))
+        cols = list(zip(*rows))
+
+        def ptr(v):
+            return v.data_ptr() if isinstance(v, torch.Tensor) else v
+        table = [torch.tensor([ptr(v) for v in cols[i]], dtype=torch.int64, device=dev) for i in (0, 1, 4, 5)]
+        table += [torch.tensor(cols[i], dtype=torch.int32, device=dev) for i in (2, 3, 6)]
+        table += [torch.tensor([ptr(v) for v in cols[i]], dtype=torch.int64, device=dev) for i in (7, 8)]
+        return [table[0], table[1], table[2], table[3], table[4], table[5], table[6], table[7], table[8]]
+
     h0_32 = h0.view(torch.int16).to(torch.int32) & 0xFFFF
 
     def decode(t32):
@@ -83,19 +133,14 @@ def main():
     epoch = torch.zeros(2, dtype=torch.int32, device=dev)
     waits = torch.zeros(sms * 2, dtype=torch.int64, device=dev)
     tracing = bool(os.environ.get("WAITS"))
-    interleaved = [ptrs([(Wi if name == "gate_up" else W[name])[l].data_ptr() for name, l in ops]),
-                   ptrs([(Si if name == "gate_up" else S[name])[l].data_ptr() for name, l in ops])]
     picked = []
-    for a in sys.argv[1:] or ["5/2/i:4,1,8,2"]:
+    for a in sys.argv[1:] or ["5/2/ia:4,1,8,1"]:
         spec, grp = a.split(":")
-        stages, acc, il = (spec.split("/") + ["2", ""])[:3]
-        kinds = dict(KINDS, down=3) if il == "i" else KINDS
-        groups = [int(g) for g in grp.split(",")]
-        meta = torch.tensor([g | kinds[name] << 8 for name, g in zip([n for n, _, _ in SH], groups)] * layers,
-                            dtype=torch.int32, device=dev)
-        picked.append((f"flow_chain::chain<{stages}, {acc}, 0, true>", int(stages), meta, spec + ":" + grp))
+        stages, acc, flags = (spec.split("/") + ["2", ""])[:3]
+        picked.append((f"flow_chain::chain<{stages}, {acc}, 0, true>", int(stages), build(flags, [int(g) for g in grp.split(",")]),
+                       spec + ":" + grp))
     here = Path(__file__).parent
-    code = "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_chain.cu"))
+    code = "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_attention.cu", "flow_chain.cu"))
     kernels = cuda_launch.compile_kernels(code, sorted({p[0] for p in picked}), 0)
     assert kernels is not None, "compile failed (see log)"
     set_attr = cuda_launch._driver_function("cuFuncSetAttribute", (ctypes.c_void_p, ctypes.c_int, ctypes.c_int))
@@ -103,41 +148,61 @@ def main():
     for name, stages, _, _ in picked:
         set_attr(kernels[name].ptr, 8, smem[stages])
 
-    def step(name, stages, meta, spec):
+    def step(name, stages, table):
         buf["hA"].copy_(h0_32)
-        weights = interleaved if "/i:" in spec else table[:2]
-        args = tuple(t.data_ptr() for t in weights + table[2:]) + (meta.data_ptr(), aux.data_ptr(), res.data_ptr(), np.int32(len(ops)),
-                                                     epoch.data_ptr(), waits.data_ptr() if tracing else 0)
+        args = tuple(t.data_ptr() for t in table) + (np.int32(table[0].numel()), epoch.data_ptr(),
+                                                     waits.data_ptr() if tracing else 0)
         cuda_launch.launch(kernels[name], (sms,), THREADS, args, smem[stages], dev)
 
     if check:
-        name, stages, meta, spec = picked[0]
-        step(name, stages, meta, spec)
+        name, stages, table, spec = picked[0]
+        k_before = K[0, pos].clone()
+        step(name, stages, table)
         torch.cuda.synchronize()
         out = {key: decode(t) for key, t in buf.items()}
-        if "/i:" in spec:  # gate/up's output back in the weight's own row order
+        if "i" in spec.split(":")[0]:  # gate/up's output back in the weight's own row order
             out["gate_up"] = out["gate_up"].view(7, 2, 2048).transpose(0, 1).reshape(-1)
-        refs = {"qkv": linear(rms_norm(h0, G["qkv"][0]), W["qkv"][0], S["qkv"][0]),
-                "o (h1)": add(h0, linear(out["qkv"][:4096], W["o"][0], S["o"][0])),
-                "gate_up": linear(rms_norm(out["hB"], G["gate_up"][0]), W["gate_up"][0], S["gate_up"][0]),
-                "down (h)": add(out["hB"], linear(silu_mul(out["gate_up"]), W["down"][0], S["down"][0]))}
-        for (label, ref), got in zip(refs.items(), [out["qkv"], out["hB"], out["gate_up"], out["hA"]]):
+        checks = [("qkv", out["qkv"], linear(rms_norm(h0, G["qkv"][0]), W["qkv"][0], S["qkv"][0]))]
+        x_o = out["qkv"][:4096]
+        if "a" in spec.split(":")[0]:
+            ref, k_new, v_new = attention(out["qkv"], K[0], V[0], pos, cos, sin)
+            checks += [("attention", out["attn"], ref), ("k into the cache", K[0, pos], k_new),
+                       ("v into the cache", V[0, pos], v_new)]
+            x_o = out["attn"]
+            assert not torch.equal(k_before, K[0, pos]), "the cache's k at pos was not written"
+            if os.environ.get("DEBUG"):
+                print("qkv k", out["qkv"][4096:4100].tolist(), "k_new", k_new[0, :4].tolist(), "cache", K[0, pos, 0, :4].tolist())
+                print("cache row h1", K[0, pos, 1, :4].tolist(), "k_new h1", k_new[1, :4].tolist())
+                print("v", out["qkv"][5120:5124].tolist(), V[0, pos, 0, :4].tolist())
+                words = partials.view(32, splits, 130)
+                print("partial h0 s0", (words[0, 0, :4] & 0xFFFFFFFF).to(torch.int32).view(torch.float32).tolist(),
+                      (words[0, 0, 128:] & 0xFFFFFFFF).to(torch.int32).view(torch.float32).tolist(), (words[0, 0, :2] >> 32).tolist())
+                print("attn", out["attn"][:4].tolist(), ref[:4].tolist())
+        checks += [("o (h1)", out["hB"], add(h0, linear(x_o, W["o"][0], S["o"][0]))),
+                   ("gate_up", out["gate_up"], linear(rms_norm(out["hB"], G["gate_up"][0]), W["gate_up"][0], S["gate_up"][0])),
+                   ("down (h)", out["hA"], add(out["hB"], linear(silu_mul(out["gate_up"]), W["down"][0], S["down"][0])))]
+        for label, got, ref in checks:
             print(f"| {label} | max rel diff {rel(got, ref):.2e} |", flush=True)
         return
-    h = h0
-    for l in range(layers):  # the reference, as a model rounds it
-        h1 = add(h, linear(linear(rms_norm(h, G["qkv"][l]), W["qkv"][l], S["qkv"][l])[:4096], W["o"][l], S["o"][l]))
-        gu = linear(rms_norm(h1, G["gate_up"][l]), W["gate_up"][l], S["gate_up"][l])
-        h = add(h1, linear(silu_mul(gu), W["down"][l], S["down"][l]))
-    for name, stages, meta, spec in picked:
-        step(name, stages, meta, spec)
+    refs = {}
+    for with_attention in sorted({"a" in spec.split(":")[0] for _, _, _, spec in picked}):
+        h = h0
+        for l in range(layers):  # the reference, as a model rounds it
+            qkv = linear(rms_norm(h, G["qkv"][l]), W["qkv"][l], S["qkv"][l])
+            x_o = attention(qkv, K[l], V[l], pos, cos, sin)[0] if with_attention else qkv[:4096]
+            h1 = add(h, linear(x_o, W["o"][l], S["o"][l]))
+            gu = linear(rms_norm(h1, G["gate_up"][l]), W["gate_up"][l], S["gate_up"][l])
+            h = add(h1, linear(silu_mul(gu), W["down"][l], S["down"][l]))
+        refs[with_attention] = h
+    for name, stages, table, spec in picked:
+        step(name, stages, table)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            step(name, stages, meta, spec)
+            step(name, stages, table)
         g.replay()
         torch.cuda.synchronize()
-        err = rel(decode(buf["hA"]), h)
+        err = rel(decode(buf["hA"]), refs["a" in spec.split(":")[0]])
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ts = []
         for _ in range(7):
@@ -148,7 +213,8 @@ def main():
             torch.cuda.synchronize()
             ts.append(s.elapsed_time(e) / 20)
         ms = sorted(ts)[3]
-        print(f"| design 8 ({name}, {spec}) | {ms:.3f} ({7.0 / ms:.2f} TB/s) | {err:.1e} |", flush=True)
+        design = 9 if "a" in spec.split(":")[0] else 8
+        print(f"| design {design} ({name}, {spec}) | {ms:.3f} ({7.0 / ms:.2f} TB/s) | {err:.1e} |", flush=True)
         if tracing:
             wt = waits.view(sms, 2).double() / 1e3
             print(f"|   waits, µs a step: consumers for staged chunks mean {wt[:, 0].mean():.1f} max {wt[:, 0].max():.1f}; "

@@ -1,0 +1,163 @@
+// Design 9's attention (benchmarks/megakernel/layer_chain.py): batch-1 decode attention as two ops of the persistent
+// kernel that no consumer warp computes (they have no rows): the stager warps of the blocks run them between their
+// stagings. Compiled after flow_common.cu and before flow_chain.cu.
+//
+// kind 4, split-KV attention: block u < kv_heads * splits takes KV head u / splits and split u % splits of the
+// positions 0..pos. Its 4 stager warps are the GQA group's q heads (a warp a head, lane l holding dims 4l..4l+3):
+// rotary (rotate-half) on q and on the new k, rounded as a model rounds it; online softmax over the split's positions
+// (the cache's, and the new k and v at pos); the partial (128 sums, max, sum of exps) stored as 64-bit words, the
+// float and above it the op's tag. The split holding pos also writes the new k and v into the cache.
+// kind 5, the merge: block h < q_heads merges head h's splits into its 128 outputs, bf16 with the op's 16-bit tag, as
+// the next op's x.
+namespace flow_chain {
+
+struct Attention {  // aux[j] of both ops: int64 words
+  long long k_cache, v_cache, cos, sin;  // caches [positions][kv_heads][128] bf16; cos, sin [128] float (bf16 values)
+  long long pos, splits, kv_heads, group;  // group: q heads a KV head
+};
+constexpr int kHeadDim = 128;
+constexpr int kPartial = kHeadDim + 2;  // a partial's words: 128 sums, the max, the sum of exps
+constexpr int kBatch = 4;               // positions whose k and v a lane has in flight at once
+
+__device__ __forceinline__ void store_tagged64(unsigned long long* p, float v, unsigned int tag) {
+  const unsigned long long word = __float_as_uint(v) | static_cast<unsigned long long>(tag) << 32;
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(word) : "memory");
+}
+__device__ __forceinline__ unsigned long long load_relaxed64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// 4 tagged activations (bf16 | tag << 16) at p, read until their tags are `tag`.
+__device__ __forceinline__ void load_tagged4(const unsigned int* p, unsigned int tag, float (&v)[4]) {
+  uint4 w;
+  do {
+    w = load_relaxed128(reinterpret_cast<const uint4*>(p));
+  } while ((w.x >> 16) != tag || (w.y >> 16) != tag || (w.z >> 16) != tag || (w.w >> 16) != tag);
+  v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.y << 16);
+  v[2] = __uint_as_float(w.z << 16), v[3] = __uint_as_float(w.w << 16);
+}
+// Rotate-half rotary on the 4 dims 4 lane .. 4 lane + 3 (the partner dims are 64 away: lane ^ 16), rounded to bf16 at
+// each step as a model in bf16 computes x cos + rotate_half(x) sin.
+__device__ __forceinline__ void rotary(float (&v)[4], const float* cos, const float* sin, int lane) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float partner = __shfl_xor_sync(0xffffffffu, v[i], 16);
+    const int d = 4 * lane + i;
+    const float rot = d < kHeadDim / 2 ? -partner : partner;
+    v[i] = round_bf16(round_bf16(v[i] * cos[d]) + round_bf16(rot * sin[d]));
+  }
+}
+__device__ __forceinline__ void load_bf16x4(const bf16* p, float (&v)[4]) {
+  const uint2 w = __ldg(reinterpret_cast<const uint2*>(p));
+  v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.x & 0xFFFF0000u);
+  v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xFFFF0000u);
+}
+
+// kind 4 (by the 4 stager warps of block blockIdx.x: 4 = group). x: the qkv output (tagged, `tag`), out: the
+// partials (tagged `own`). Not inlined: the stagers' registers would be the sum of both.
+__device__ __noinline__ void attention_split(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
+                                             int stager_warp) {
+  const Attention& a = *reinterpret_cast<const Attention*>(aux);
+  const int lane = threadIdx.x & 31, unit = blockIdx.x, splits = static_cast<int>(a.splits);
+  const int kv_heads = static_cast<int>(a.kv_heads), group = static_cast<int>(a.group), pos = static_cast<int>(a.pos);
+  if (unit >= kv_heads * splits || stager_warp >= group) return;
+  const int h = unit / splits, s = unit % splits, head = h * group + stager_warp, len = pos + 1;
+  const int span = (len + splits - 1) / splits, p0 = min(s * span, len), p1 = min(p0 + span, len);
+  const unsigned int* qkv = reinterpret_cast<const unsigned int*>(x);
+  const float* cos = reinterpret_cast<const float*>(a.cos);
+  const float* sin = reinterpret_cast<const float*>(a.sin);
+  const int q_size = kv_heads * group * kHeadDim, kv_size = kv_heads * kHeadDim;
+  float q[4], k_new[4], v_new[4];
+  load_tagged4(qkv + head * kHeadDim + 4 * lane, tag, q);
+  rotary(q, cos, sin, lane);
+  if (p1 == len) {  // the new token's k and v are in this split
+    load_tagged4(qkv + q_size + h * kHeadDim + 4 * lane, tag, k_new);
+    load_tagged4(qkv + q_size + kv_size + h * kHeadDim + 4 * lane, tag, v_new);
+    rotary(k_new, cos, sin, lane);
+    if (stager_warp == 0) {  // into the cache, for the steps after this one
+      const long long at = (static_cast<long long>(pos) * kv_heads + h) * kHeadDim + 4 * lane;
+      bf16* kc = reinterpret_cast<bf16*>(a.k_cache) + at;
+      bf16* vc = reinterpret_cast<bf16*>(a.v_cache) + at;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) kc[i] = bf16::round(k_new[i]), vc[i] = bf16::round(v_new[i]);
+    }
+  }
+  const float scale = rsqrtf(static_cast<float>(kHeadDim));
+  float m = -__int_as_float(0x7f800000), l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int p = p0; p < p1; p += kBatch) {
+    float keys[kBatch][4], values[kBatch][4];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {  // every load of the batch in flight at once
+      const int at = p + b;
+      if (at >= p1 || at == pos) continue;
+      const long long off = (static_cast<long long>(at) * kv_heads + h) * kHeadDim + 4 * lane;
+      load_bf16x4(reinterpret_cast<const bf16*>(a.k_cache) + off, keys[b]);
+      load_bf16x4(reinterpret_cast<const bf16*>(a.v_cache) + off, values[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int at = p + b;
+      if (at >= p1) continue;  // (not break: the loop must unroll, its arrays stay in registers)
+      const bool fresh = at == pos;  // (no pointer into the register arrays: that would put them in memory)
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dot += q[i] * (fresh ? k_new[i] : keys[b][i]);
+      const float logit = warp_sum(dot) * scale;
+      const float m_new = fmaxf(m, logit), correction = __expf(m - m_new), weight = __expf(logit - m_new);
+      l = l * correction + weight;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] = acc[i] * correction + weight * (fresh ? v_new[i] : values[b][i]);
+      m = m_new;
+    }
+  }
+  unsigned long long* out = reinterpret_cast<unsigned long long*>(o) + (head * splits + s) * kPartial;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) store_tagged64(out + 4 * lane + i, acc[i], own);
+  if (lane == 0) store_tagged64(out + kHeadDim, m, own), store_tagged64(out + kHeadDim + 1, l, own);
+}
+
+// kind 5 (by the 128 stager threads of block blockIdx.x < q heads): x: the partials, o: the attention output. Lane s
+// of each warp reads split s's max and sum of exps (so a warp holds them all); thread d reads every split's sum d.
+__device__ __noinline__ void attention_merge(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
+                                             int ct) {
+  const Attention& a = *reinterpret_cast<const Attention*>(aux);
+  const int head = blockIdx.x, splits = static_cast<int>(a.splits), lane = ct & 31;
+  if (head >= a.kv_heads * a.group) return;
+  const unsigned long long* parts = reinterpret_cast<const unsigned long long*>(x) + head * splits * kPartial;
+  float split_max = -__int_as_float(0x7f800000), split_exps = 0.0f;
+  if (lane < splits) {
+    unsigned long long mv, lv;
+    do {
+      mv = load_relaxed64(parts + lane * kPartial + kHeadDim), lv = load_relaxed64(parts + lane * kPartial + kHeadDim + 1);
+    } while ((mv >> 32) != tag || (lv >> 32) != tag);
+    split_max = __uint_as_float(static_cast<unsigned int>(mv)), split_exps = __uint_as_float(static_cast<unsigned int>(lv));
+  }
+  const float m = warp_max(split_max);
+  const float weight = split_exps > 0.0f ? __expf(split_max - m) : 0.0f;  // an empty split (max -inf) weighs 0
+  const float l = warp_sum(split_exps * weight);
+  constexpr int kMaxSplits = 16;
+  float sums[kMaxSplits];
+  bool ready = false;
+  while (!ready) {  // every split's sum for this dim, all at once
+    ready = true;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      if (s >= splits) continue;
+      const unsigned long long v = load_relaxed64(parts + s * kPartial + ct);
+      ready = ready && (v >> 32) == tag;
+      sums[s] = __uint_as_float(static_cast<unsigned int>(v));
+    }
+    if (!ready) __nanosleep(20);
+  }
+  float acc = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s) {
+    const float w = __shfl_sync(0xffffffffu, weight, s);
+    if (s < splits) acc += sums[s] * w;
+  }
+  unsigned int* out = reinterpret_cast<unsigned int*>(o) + head * kHeadDim + ct;
+  const unsigned int word = bf16::round(acc / l).bits | own << 16;
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(out), "r"(word) : "memory");
+}
+}  // namespace flow_chain
