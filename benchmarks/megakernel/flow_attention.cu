@@ -2,8 +2,8 @@
 // kernel that no consumer warp computes (they have no rows): the stager warps of the blocks run them between their
 // stagings. Compiled after flow_common.cu and before flow_chain.cu.
 //
-// kind 4, split-KV attention: block u < kv_heads * splits takes KV head u / splits and split u % splits of the
-// positions 0..pos. Its 4 stager warps are the GQA group's q heads (a warp a head, lane l holding dims 4l..4l+3):
+// kind 4, split-KV attention: unit u < kv_heads * splits (block u, u + grid, ...) takes KV head u / splits and split
+// u % splits of the positions 0..pos. Its 4 stager warps are the GQA group's q heads (a warp a head, lane l holding dims 4l..4l+3):
 // rotary (rotate-half) on q and on the new k, rounded as a model rounds it; online softmax over the split's positions
 // (the cache's, and the new k and v at pos); the partial (128 sums, max, sum of exps) stored as 64-bit words, the
 // float and above it the op's tag. The split holding pos also writes the new k and v into the cache.
@@ -54,14 +54,10 @@ __device__ __forceinline__ void load_bf16x4(const bf16* p, float (&v)[4]) {
   v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xFFFF0000u);
 }
 
-// kind 4 (by the 4 stager warps of block blockIdx.x: 4 = group). x: the qkv output (tagged, `tag`), out: the
-// partials (tagged `own`). Not inlined: the stagers' registers would be the sum of both.
-__device__ __noinline__ void attention_split(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
-                                             int stager_warp) {
-  const Attention& a = *reinterpret_cast<const Attention*>(aux);
-  const int lane = threadIdx.x & 31, unit = blockIdx.x, splits = static_cast<int>(a.splits);
+__device__ __forceinline__ void attention_unit(const Attention& a, int unit, long long x, long long o, unsigned int tag,
+                                               unsigned int own, int stager_warp) {
+  const int lane = threadIdx.x & 31, splits = static_cast<int>(a.splits);
   const int kv_heads = static_cast<int>(a.kv_heads), group = static_cast<int>(a.group), pos = static_cast<int>(a.pos);
-  if (unit >= kv_heads * splits || stager_warp >= group) return;
   const int h = unit / splits, s = unit % splits, head = h * group + stager_warp, len = pos + 1;
   const int span = (len + splits - 1) / splits, p0 = min(s * span, len), p1 = min(p0 + span, len);
   const unsigned int* qkv = reinterpret_cast<const unsigned int*>(x);
@@ -115,6 +111,16 @@ __device__ __noinline__ void attention_split(long long aux, long long x, long lo
 #pragma unroll
   for (int i = 0; i < 4; ++i) store_tagged64(out + 4 * lane + i, acc[i], own);
   if (lane == 0) store_tagged64(out + kHeadDim, m, own), store_tagged64(out + kHeadDim + 1, l, own);
+}
+
+// kind 4 (by the 4 stager warps of a block: 4 = group). x: the qkv output (tagged, `tag`), o: the partials (tagged
+// `own`). Not inlined: the stagers' registers would be the sum of both.
+__device__ __noinline__ void attention_split(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
+                                             int stager_warp) {
+  const Attention& a = *reinterpret_cast<const Attention*>(aux);
+  if (stager_warp >= a.group) return;
+  for (int unit = blockIdx.x; unit < a.kv_heads * a.splits; unit += gridDim.x)
+    attention_unit(a, unit, x, o, tag, own, stager_warp);
 }
 
 // kind 5 (by the 128 stager threads of block blockIdx.x < q heads): x: the partials, o: the attention output. Lane s

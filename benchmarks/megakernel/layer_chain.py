@@ -78,6 +78,7 @@ def main():
     check = bool(os.environ.get("CHECK"))
     layers = 1 if check else LAYERS
     pos, splits = int(os.environ.get("POS", 383)), int(os.environ.get("SPLITS", 16))
+    assert 1 <= splits <= 16 and pos < 1024, "the merge reads at most 16 splits (flow_attention.cu); the cache holds 1,024"
     W = {name: (torch.randn(layers, n, k, device=dev) * 0.3).to(torch.float8_e4m3fn) for name, (n, k) in SH.items()}
     S = {name: (torch.rand(layers, n, device=dev) * 0.2 + 0.9) / (0.3 * k ** 0.5) for name, (n, k) in SH.items()}
     G = {name: (1 + 0.1 * torch.randn(layers, 4096, device=dev)).bfloat16() for name in ("qkv", "gate_up")}
