@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import triton
 
+from bench_common import captured, fp8_weights, print_waits, rel, replay_ms
 from runtime_kernels import cuda_launch
 from runtime_kernels.jit import gemv as jit
 
@@ -29,10 +30,7 @@ KC = 2048
 def main():
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
-    W, S = {}, {}
-    for name, n, k in SH:
-        W[name] = (torch.randn(LAYERS, n, k, device=dev) * 0.3).to(torch.float8_e4m3fn)
-        S[name] = (torch.rand(LAYERS, n, device=dev) * 0.2 + 0.9) / (0.3 * k ** 0.5)
+    W, S = fp8_weights(dev, LAYERS, SH)
     h0 = torch.randn(4096, device=dev, dtype=torch.bfloat16)
     check = bool(os.environ.get("CHECK"))
 
@@ -113,24 +111,9 @@ def main():
             else:
                 h.copy_(h0)
             fn()
-        step()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        g.replay()
-        torch.cuda.synchronize()
+        graph = captured(step)
         out = decode(h32) if tagged else h.clone()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(7):
-            s.record()
-            for _ in range(20):
-                g.replay()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 20)
-        return sorted(ts)[3], out
+        return replay_ms(graph), out
 
     if check:
         for name, stages, group, tagged in picked:
@@ -153,13 +136,7 @@ def main():
         print(f"| design {7 if tagged else 6} ({name}, groups {group}) | {ms:.3f} ({7.0 / ms:.2f} TB/s) | {rel(out, ref):.1e} |",
               flush=True)
         if tracing:
-            wt = waits.view(sms, 2).double() / 1e3
-            print(f"|   waits, µs a step: consumers for staged chunks mean {wt[:, 0].mean():.1f} max {wt[:, 0].max():.1f}; "
-                  f"stagers for their chunks mean {wt[:, 1].mean():.1f} |", flush=True)
-
-
-def rel(out, ref):
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            print_waits(waits, sms)
 
 
 if __name__ == "__main__":

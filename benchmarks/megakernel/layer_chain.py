@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench_common import captured, fp8_weights, print_waits, rel, replay_ms
 from runtime_kernels import cuda_launch
 
 SH = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -79,8 +80,7 @@ def main():
     layers = 1 if check else LAYERS
     pos, splits = int(os.environ.get("POS", 383)), int(os.environ.get("SPLITS", 16))
     assert 1 <= splits <= 16 and pos < 1024, "the merge reads at most 16 splits (flow_attention.cu); the cache holds 1,024"
-    W = {name: (torch.randn(layers, n, k, device=dev) * 0.3).to(torch.float8_e4m3fn) for name, (n, k) in SH.items()}
-    S = {name: (torch.rand(layers, n, device=dev) * 0.2 + 0.9) / (0.3 * k ** 0.5) for name, (n, k) in SH.items()}
+    W, S = fp8_weights(dev, layers, [(name, n, k) for name, (n, k) in SH.items()])
     G = {name: (1 + 0.1 * torch.randn(layers, 4096, device=dev)).bfloat16() for name in ("qkv", "gate_up")}
     K = torch.randn(layers, 1024, KV_HEADS, HEAD, device=dev).bfloat16()
     V = torch.randn(layers, 1024, KV_HEADS, HEAD, device=dev).bfloat16()
@@ -196,34 +196,13 @@ def main():
             h = add(h1, linear(silu_mul(gu), W["down"][l], S["down"][l]))
         refs[with_attention] = h
     for name, stages, table, spec in picked:
-        step(name, stages, table)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step(name, stages, table)
-        g.replay()
-        torch.cuda.synchronize()
+        graph = captured(lambda: step(name, stages, table))
         err = rel(decode(buf["hA"]), refs["a" in spec.split(":")[0]])
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(7):
-            s.record()
-            for _ in range(20):
-                g.replay()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 20)
-        ms = sorted(ts)[3]
+        ms = replay_ms(graph)
         design = 9 if "a" in spec.split(":")[0] else 8
         print(f"| design {design} ({name}, {spec}) | {ms:.3f} ({7.0 / ms:.2f} TB/s) | {err:.1e} |", flush=True)
         if tracing:
-            wt = waits.view(sms, 2).double() / 1e3
-            print(f"|   waits, µs a step: consumers for staged chunks mean {wt[:, 0].mean():.1f} max {wt[:, 0].max():.1f}; "
-                  f"stagers for their chunks mean {wt[:, 1].mean():.1f} |", flush=True)
-
-
-def rel(out, ref):
-    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            print_waits(waits, sms)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import triton
 
+from bench_common import captured, fp8_weights, replay_ms
 from runtime_kernels import cuda_launch
 from runtime_kernels.jit import gemv as jit
 
@@ -31,10 +32,7 @@ X_BYTES = 14336  # x of the widest op as e4m3, after the ring
 def main():
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
-    W, S = {}, {}
-    for name, n, k in SH:
-        W[name] = (torch.randn(LAYERS, n, k, device=dev) * 0.3).to(torch.float8_e4m3fn)
-        S[name] = (torch.rand(LAYERS, n, device=dev) * 0.2 + 0.9) / (0.3 * k ** 0.5)
+    W, S = fp8_weights(dev, LAYERS, SH)
     h0 = torch.randn(4096, device=dev, dtype=torch.bfloat16)
     h = torch.empty(4096, device=dev, dtype=torch.bfloat16)
     buf = {"qkv": torch.empty(6144, device=dev, dtype=torch.bfloat16), "o": torch.empty(4096, device=dev, dtype=torch.bfloat16),
@@ -76,26 +74,11 @@ def main():
         cuda_launch.launch(kernels[name], (sms,), THREADS, args, 8 * stages * 4096 + X_BYTES, dev)
 
     def timed(fn):
-        h.copy_(h0)
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        def step():
             h.copy_(h0)
             fn()
-        g.replay()
-        torch.cuda.synchronize()
-        out = h.clone()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = []
-        for _ in range(7):
-            s.record()
-            for _ in range(20):
-                g.replay()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 20)
-        return sorted(ts)[3], out
+        graph = captured(step)
+        return replay_ms(graph), h.clone()
 
     for name, (stages, *_) in zip(names, picked):
         set_attr(kernels[name].ptr, 8, 8 * stages * 4096 + X_BYTES)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

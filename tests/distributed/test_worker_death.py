@@ -37,6 +37,17 @@ def healthy(server: RemoteServer) -> bool:
         return False
 
 
+def check_went_down(server, pids) -> None:
+    """The server exits 1 within its bound, its log names rank 1's death, and no process outlives it."""
+    server.proc.wait(STOP_BOUND_S)
+    log = server.log()
+    assert server.proc.returncode == 1, log[-3000:]
+    assert f"worker rank 1 (pid {pids[1]}) died unexpectedly (killed by signal 9)" in log, log[-3000:]
+    assert wait_for(lambda: not any(is_alive(pid) for pid in (server.engine_pid, *pids.values())), 10.0), (
+        "a process outlived the server"
+    )
+
+
 def test_a_killed_worker_fails_the_request_and_stops_the_server(tmp_path):
     server, pids, path = start_tp2_server(tmp_path)
     try:
@@ -54,13 +65,7 @@ def test_a_killed_worker_fails_the_request_and_stops_the_server(tmp_path):
         assert time.monotonic() - killed_at < FAIL_BOUND_S
         assert "worker rank 1" in events[-2] and "died unexpectedly" in events[-2], events[-3:]
         assert not any('"finish_reason":"length"' in line for line in events), events[-3:]
-        server.proc.wait(STOP_BOUND_S)
-        log = server.log()
-        assert server.proc.returncode == 1, log[-3000:]
-        assert f"worker rank 1 (pid {pids[1]}) died unexpectedly (killed by signal 9)" in log, log[-3000:]
-        assert wait_for(lambda: not any(is_alive(pid) for pid in (server.engine_pid, *pids.values())), 10.0), (
-            "a process outlived the server"
-        )
+        check_went_down(server, pids)
     finally:
         server.stop()
 
@@ -74,12 +79,6 @@ def test_a_worker_killed_while_idle_turns_health_unhealthy_and_stops_the_server(
         assert wait_for(lambda: not healthy(server), IDLE_NOTICE_BOUND_S), (
             "/health still answers 200 after a worker died: " + server.log()[-3000:]
         )
-        server.proc.wait(STOP_BOUND_S)
-        log = server.log()
-        assert server.proc.returncode == 1, log[-3000:]
-        assert f"worker rank 1 (pid {pids[1]}) died unexpectedly (killed by signal 9)" in log, log[-3000:]
-        assert wait_for(lambda: not any(is_alive(pid) for pid in (server.engine_pid, *pids.values())), 10.0), (
-            "a process outlived the server"
-        )
+        check_went_down(server, pids)
     finally:
         server.stop()

@@ -4,44 +4,15 @@ no entry behind, and a later load of such a block counts as the cpu hit it is.""
 
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import torch
 
-from runtime_kv_offload.scheduler_half import OffloadingConnectorScheduler
-from runtime_kv_offload.worker_half import OffloadingConnectorWorker
-
-BLOCK = 4
-NUM_BLOCKS = 8
+from offload_halves import BLOCK, request, step
+from offload_halves import halves as disk_halves
 
 
 def halves(tmp_path, hashes: list[bytes]):
     """Both halves over a cpu tier of 4 slots and a disk tier holding ``hashes`` (block i filled with i + 1)."""
-    cache_config = NS(block_size=BLOCK, kv_offload=("cpu", "disk"), kv_offload_size=(-4, 1 << 20),
-                      kv_offload_dir=str(tmp_path), kv_offload_policy="lru", kv_block_layout="")
-    model = NS(model=str(tmp_path), quantization=None, dtype=torch.float32, seed=0)
-    config = NS(cache_config=cache_config, parallel_config=NS(world_size=1), model_config=model,
-                load_config=NS(load_format="auto"))
-    worker = OffloadingConnectorWorker(config)
-    cache = torch.zeros(2, NUM_BLOCKS, BLOCK, 2, dtype=torch.float32)
-    worker.register_kv_caches([cache])
-    disk = worker.lower[0][1]
-    for i, block_hash in enumerate(hashes):
-        disk.store(block_hash, torch.full((worker.copier.block_bytes // 4,), float(i + 1)))
-    scheduler = OffloadingConnectorScheduler(config)
-    scheduler.set_handshake_metadata([worker.get_handshake_metadata()])
-    return scheduler, worker, cache
-
-
-def step(scheduler, worker) -> None:
-    metadata = scheduler.build_connector_meta(None)
-    worker.start_load_kv(metadata)
-    worker.wait_for_save()
-    scheduler.update_connector_output([worker.get_connector_output()])
-
-
-def request(request_id: str, hashes: list[bytes]):
-    return NS(request_id=request_id, num_tokens=len(hashes) * BLOCK + 1, block_hashes=hashes, num_computed_tokens=0)
+    return disk_halves(tmp_path, hashes, tiers=("cpu", "disk"), sizes=(-4, 1 << 20))
 
 
 def test_a_request_aborted_mid_promotion_leaves_no_origin(tmp_path):
