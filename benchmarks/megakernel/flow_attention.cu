@@ -142,28 +142,149 @@ __device__ __noinline__ void attention_merge(long long aux, long long x, long lo
   const float m = warp_max(split_max);
   const float weight = split_exps > 0.0f ? __expf(split_max - m) : 0.0f;  // an empty split (max -inf) weighs 0
   const float l = warp_sum(split_exps * weight);
-  constexpr int kMaxSplits = 16;
-  float sums[kMaxSplits];
-  bool ready = false;
-  while (!ready) {  // every split's sum for this dim, all at once
-    ready = true;
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) {
-      if (s >= splits) continue;
-      const unsigned long long v = load_relaxed64(parts + s * kPartial + ct);
-      ready = ready && (v >> 32) == tag;
-      sums[s] = __uint_as_float(static_cast<unsigned int>(v));
-    }
-    if (!ready) __nanosleep(20);
-  }
+  constexpr int kAtOnce = 16;  // splits' sums in flight at once (a merge reads up to 32)
   float acc = 0.0f;
+  for (int s0 = 0; s0 < splits; s0 += kAtOnce) {
+    float sums[kAtOnce];
+    bool ready = false;
+    while (!ready) {  // these splits' sums for this dim, all at once
+      ready = true;
 #pragma unroll
-  for (int s = 0; s < kMaxSplits; ++s) {
-    const float w = __shfl_sync(0xffffffffu, weight, s);
-    if (s < splits) acc += sums[s] * w;
+      for (int i = 0; i < kAtOnce; ++i) {
+        if (s0 + i >= splits) continue;
+        const unsigned long long v = load_relaxed64(parts + (s0 + i) * kPartial + ct);
+        ready = ready && (v >> 32) == tag;
+        sums[i] = __uint_as_float(static_cast<unsigned int>(v));
+      }
+      if (!ready) __nanosleep(20);
+    }
+#pragma unroll
+    for (int i = 0; i < kAtOnce; ++i) {
+      const float w = __shfl_sync(0xffffffffu, weight, (s0 + i) & 31);
+      if (s0 + i < splits) acc += sums[i] * w;
+    }
   }
   unsigned int* out = reinterpret_cast<unsigned int*>(o) + head * kHeadDim + ct;
   const unsigned int word = bf16::round(acc / l).bits | own << 16;
   asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(out), "r"(word) : "memory");
+}
+// kind 6, split-KV attention with lanes over positions (design 10): block b takes KV head b / (splits / 4) and 4 of
+// its splits, a stager warp a split of at most kMaxSpan positions. The 4 warps first put the group's 4 rotated q heads and
+// the new k and v (rounded to bf16) into shared memory. Then each lane of a warp reads its position's whole k row (16
+// vectors in flight) while the warp also asks for its positions' v (lane l: dims 4l..4l+3), so a split's loads go out
+// in one round; the lane computes its position's 4 logits against q, the warp its 4 softmaxes, and each lane the 4
+// heads' sums over its 4 dims, the weights passed along by shuffles. Partials as kind 4 writes them.
+constexpr int kMaxSpan = 24;  // positions a split (at most)
+__device__ __noinline__ void attention_lanes(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
+                                             int stager_warp, Shared& sh) {
+  const Attention& a = *reinterpret_cast<const Attention*>(aux);
+  const int lane = threadIdx.x & 31, splits = static_cast<int>(a.splits);
+  const int kv_heads = static_cast<int>(a.kv_heads), group = static_cast<int>(a.group), pos = static_cast<int>(a.pos);
+  const int blocks_a_head = splits / 4, len = pos + 1, span = (len + splits - 1) / splits;
+  const unsigned int* qkv = reinterpret_cast<const unsigned int*>(x);
+  const float* cos = reinterpret_cast<const float*>(a.cos);
+  const float* sin = reinterpret_cast<const float*>(a.sin);
+  const int q_size = kv_heads * group * kHeadDim, kv_size = kv_heads * kHeadDim;
+  for (int b = blockIdx.x; b < kv_heads * blocks_a_head; b += gridDim.x) {
+    const int h = b / blocks_a_head, s = (b % blocks_a_head) * 4 + stager_warp;
+    {  // warp w: q head 4h + w, and warp 0 also the new k and v, rotated and rounded, into shared memory
+      float v4[4];
+      load_tagged4(qkv + (h * group + stager_warp) * kHeadDim + 4 * lane, tag, v4);
+      rotary(v4, cos, sin, lane);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sh.attention.q[stager_warp][4 * lane + i] = bf16::round(v4[i]).bits;
+      if (stager_warp == 0) {
+        load_tagged4(qkv + q_size + h * kHeadDim + 4 * lane, tag, v4);
+        rotary(v4, cos, sin, lane);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sh.attention.k[4 * lane + i] = bf16::round(v4[i]).bits;
+      }
+      if (stager_warp == 1) {
+        load_tagged4(qkv + q_size + kv_size + h * kHeadDim + 4 * lane, tag, v4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sh.attention.v[4 * lane + i] = bf16::round(v4[i]).bits;
+      }
+    }
+    asm volatile("bar.sync 4, 128;" ::: "memory");
+    const int p0 = min(s * span, len), p1 = min(p0 + span, len);
+    if (p1 == len && p0 < p1) {  // the split holding pos writes the new k and v into the cache
+      const long long at = (static_cast<long long>(pos) * kv_heads + h) * kHeadDim + 4 * lane;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        reinterpret_cast<bf16*>(a.k_cache)[at + i] = bf16{sh.attention.k[4 * lane + i]};
+        reinterpret_cast<bf16*>(a.v_cache)[at + i] = bf16{sh.attention.v[4 * lane + i]};
+      }
+    }
+    // lane p: position p0 + p's k row; every lane: dims 4 lane.. of each position's v
+    const int at = p0 + lane;
+    const bool mine = at < p1;
+    uint4 krow[kHeadDim / 8];
+    if (mine && at != pos) {
+      const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const bf16*>(a.k_cache) +
+                                                        (static_cast<long long>(at) * kv_heads + h) * kHeadDim);
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 8; ++i) krow[i] = __ldg(src + i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kHeadDim / 8; ++i) krow[i] = reinterpret_cast<const uint4*>(sh.attention.k)[i];
+    }
+    uint2 vals[kMaxSpan];
+#pragma unroll
+    for (int p = 0; p < kMaxSpan; ++p) {
+      const int vat = p0 + p;
+      if (vat < p1 && vat != pos)
+        vals[p] = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const bf16*>(a.v_cache) +
+                                                       (static_cast<long long>(vat) * kv_heads + h) * kHeadDim) + lane);
+      else
+        vals[p] = reinterpret_cast<const uint2*>(sh.attention.v)[lane];
+    }
+    float logit[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 8; ++i) {
+      const unsigned int kw[4] = {krow[i].x, krow[i].y, krow[i].z, krow[i].w};
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        const uint4 qv = reinterpret_cast<const uint4*>(sh.attention.q[g])[i];
+        const unsigned int qw[4] = {qv.x, qv.y, qv.z, qv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          logit[g] += __uint_as_float(qw[e] << 16) * __uint_as_float(kw[e] << 16) +
+                      __uint_as_float(qw[e] & 0xFFFF0000u) * __uint_as_float(kw[e] & 0xFFFF0000u);
+      }
+    }
+    const float scale = rsqrtf(static_cast<float>(kHeadDim));
+    float m[4], l[4], w[4];
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      const float z = mine ? logit[g] * scale : -__int_as_float(0x7f800000);
+      m[g] = warp_max(z);
+      w[g] = mine ? __expf(z - m[g]) : 0.0f;
+      l[g] = warp_sum(w[g]);
+    }
+    float acc[4][4] = {};
+#pragma unroll
+    for (int p = 0; p < kMaxSpan; ++p) {
+      const float v[4] = {__uint_as_float(vals[p].x << 16), __uint_as_float(vals[p].x & 0xFFFF0000u),
+                          __uint_as_float(vals[p].y << 16), __uint_as_float(vals[p].y & 0xFFFF0000u)};
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        const float wp = __shfl_sync(0xffffffffu, w[g], p);  // 0 past the split's end
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[g][i] += wp * v[i];
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      unsigned long long* out = reinterpret_cast<unsigned long long*>(o) + ((h * group + g) * splits + s) * kPartial;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) store_tagged64(out + 4 * lane + i, acc[g][i], own);
+      if (lane == 0) {
+        const bool empty = p0 >= p1;
+        store_tagged64(out + kHeadDim, empty ? -__int_as_float(0x7f800000) : m[g], own);
+        store_tagged64(out + kHeadDim + 1, empty ? 0.0f : l[g], own);
+      }
+    }
+    asm volatile("bar.sync 4, 128;" ::: "memory");  // before the next unit's q overwrites shared memory
+  }
 }
 }  // namespace flow_chain

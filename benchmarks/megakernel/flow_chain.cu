@@ -62,6 +62,7 @@ __device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
       const int kind = ops.kind(j);
       if (kind == 4) attention_split(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct / 32);
       if (kind == 5) attention_merge(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct);
+      if (kind == 6) attention_lanes(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct / 32, sh);
       if (kind >= 4) continue;
     }
     if (j >= 2 && ct == 0) {  // the buffer held op j - 2's x: every consumer warp must be through with it

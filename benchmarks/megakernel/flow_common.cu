@@ -105,7 +105,12 @@ struct Shared {
   volatile int staged[2][kMaxChunks];  // the op whose chunk a buffer holds (-1: none yet)
   volatile int progress[kWarps];       // every consumer warp is through with the ops before this one
   float part[kWarps][kMaxGroup][2];    // lane 0's partial sums of its two rows, a super-tile of the group
-  volatile unsigned long long tiles[kTiles][kWarps];  // (tile number + 1) << 32 | the warp's 2 rows, bf16
+  union {
+    volatile unsigned long long tiles[kTiles][kWarps];  // (tile number + 1) << 32 | the warp's 2 rows, bf16
+    struct {  // TAGGED (which has no releaser): kind 6's q of the GQA group, and the new k and v, bf16 bits
+      unsigned short q[4][128], k[128], v[128];
+    } attention;
+  };
   float chunk_max[kControl / 32];
   float chunk_sq[kControl / 32];  // a norm's sums of squares, a stager warp's share of a chunk
   float rnorm[2];                 // a norm's 1 / rms, an x buffer's (written with its last chunk)
@@ -119,7 +124,8 @@ struct Shared {
 //   kind 2: SiLU(x[:k]) * x[k:2k] (a gate/up output), each rounded to bf16 as a model's MLP rounds it;
 //   kind 3: the same of a gate/up output whose rows alternate 2,048 of gate and 2,048 of up (its weight's rows so
 //           permuted), so that a chunk's gate and up rows are finished at about the same time.
-//   kinds 4 and 5: attention and its merge (flow_attention.cu), ops without rows.
+//   kinds 4 and 5: attention and its merge (flow_attention.cu), ops without rows; kind 6: attention with lanes over
+//           positions (its merge is kind 5 too).
 // res[j] (or 0): a residual added to the output rows (an op before wrote it, or it came before the launch), as
 // bf16(res + bf16(row)).
 struct Ops {

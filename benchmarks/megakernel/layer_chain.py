@@ -12,8 +12,9 @@ in all), bf16 activations, as a Llama layer rounds them:
     python3 benchmarks/megakernel/layer_chain.py [STAGES/ACC/FLAGS:G,G,G,G ...]   ms a step (median of 7 x 20 graph
         replays) and the max rel diff of the last h against torch in a model's rounding order. FLAGS: i: gate/up's rows
         interleaved by 2,048 (gate, up, gate, ...), which down's staging reads as such; a: attention (8 KV heads, 32
-        q heads, the KV cache's positions 0..POS - 1 random; POS=383, SPLITS=16 by default). G: the super-tiles a group
-        for qkv, o, gate_up and down.
+        q heads, the KV cache's positions 0..POS - 1 random; POS=383, SPLITS=16 by default); A: attention with lanes
+        over positions (design 10; SPLITS a multiple of 4, up to 32, each of at most 24 positions). G: the super-tiles
+        a group for qkv, o, gate_up and down.
     CHECK=1 ...   one layer, each op against torch from the kernel's own inputs
     WAITS=1 ...   also where the blocks wait (µs a step)"""
 import ctypes
@@ -79,7 +80,9 @@ def main():
     check = bool(os.environ.get("CHECK"))
     layers = 1 if check else LAYERS
     pos, splits = int(os.environ.get("POS", 383)), int(os.environ.get("SPLITS", 16))
-    assert 1 <= splits <= 16 and pos < 1024, "the merge reads at most 16 splits (flow_attention.cu); the cache holds 1,024"
+    assert 1 <= splits <= 32 and pos < 1024, "the merge reads at most 32 splits (flow_attention.cu); the cache holds 1,024"
+    assert all("A" not in a.split(":")[0] for a in sys.argv[1:]) or (splits % 4 == 0 and -(-(pos + 1) // splits) <= 24), (
+        "design 10 takes splits in fours, each of at most 24 positions (flow_attention.cu's kMaxSpan)")
     W, S = fp8_weights(dev, layers, [(name, n, k) for name, (n, k) in SH.items()])
     G = {name: (1 + 0.1 * torch.randn(layers, 4096, device=dev)).bfloat16() for name in ("qkv", "gate_up")}
     K = torch.randn(layers, 1024, KV_HEADS, HEAD, device=dev).bfloat16()
@@ -106,9 +109,9 @@ def main():
             s = {name: (Si if name == "gate_up" and "i" in flags else S[name])[l] for name in SH}
             gemv = {name: (w[name].data_ptr(), s[name].data_ptr(), *SH[name]) for name in SH}
             rows.append((*gemv["qkv"], buf["hA"], buf["qkv"], groups[0] | 1 << 8, G["qkv"][l].data_ptr(), 0))
-            if "a" in flags:
+            if "a" in flags or "A" in flags:
                 d = desc[l].data_ptr()
-                rows.append((0, 0, 0, 0, buf["qkv"], partials, 1 | 4 << 8, d, 0))
+                rows.append((0, 0, 0, 0, buf["qkv"], partials, 1 | (6 if "A" in flags else 4) << 8, d, 0))
                 rows.append((0, 0, 0, 0, partials, buf["attn"], 1 | 5 << 8, d, 0))
                 rows.append((*gemv["o"], buf["attn"], buf["hB"], groups[1] | 4 << 16, 0, buf["hA"]))
             else:
@@ -165,7 +168,7 @@ def main():
             out["gate_up"] = out["gate_up"].view(7, 2, 2048).transpose(0, 1).reshape(-1)
         checks = [("qkv", out["qkv"], linear(rms_norm(h0, G["qkv"][0]), W["qkv"][0], S["qkv"][0]))]
         x_o = out["qkv"][:4096]
-        if "a" in spec.split(":")[0]:
+        if ("a" in spec.split(":")[0] or "A" in spec.split(":")[0]):
             ref, k_new, v_new = attention(out["qkv"], K[0], V[0], pos, cos, sin)
             checks += [("attention", out["attn"], ref), ("k into the cache", K[0, pos], k_new),
                        ("v into the cache", V[0, pos], v_new)]
@@ -186,7 +189,7 @@ def main():
             print(f"| {label} | max rel diff {rel(got, ref):.2e} |", flush=True)
         return
     refs = {}
-    for with_attention in sorted({"a" in spec.split(":")[0] for _, _, _, spec in picked}):
+    for with_attention in sorted({("a" in spec.split(":")[0] or "A" in spec.split(":")[0]) for _, _, _, spec in picked}):
         h = h0
         for l in range(layers):  # the reference, as a model rounds it
             qkv = linear(rms_norm(h, G["qkv"][l]), W["qkv"][l], S["qkv"][l])
@@ -197,9 +200,10 @@ def main():
         refs[with_attention] = h
     for name, stages, table, spec in picked:
         graph = captured(lambda: step(name, stages, table))
-        err = rel(decode(buf["hA"]), refs["a" in spec.split(":")[0]])
+        err = rel(decode(buf["hA"]), refs[("a" in spec.split(":")[0] or "A" in spec.split(":")[0])])
         ms = replay_ms(graph)
-        design = 9 if "a" in spec.split(":")[0] else 8
+        flags = spec.split(":")[0]
+        design = 10 if "A" in flags else 9 if "a" in flags else 8
         print(f"| design {design} ({name}, {spec}) | {ms:.3f} ({7.0 / ms:.2f} TB/s) | {err:.1e} |", flush=True)
         if tracing:
             print_waits(waits, sms)
