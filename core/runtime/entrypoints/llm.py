@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -9,7 +10,10 @@ from tqdm.auto import tqdm
 from runtime.engine_args import EngineArgs
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
+from runtime.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
+from runtime.entrypoints.chat_render import refuse_unsupported, render_chat, template_messages
 from runtime.entrypoints.logprobs_limit import check_max_logprobs
+from runtime.executor.broadcast import WorkerDied
 from runtime.model_loader.default_model import default_model_path
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -50,8 +54,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        refuse_unsupported(lora_request=lora_request)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -90,19 +96,61 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request=None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: each conversation rendered by the chat template (``chat_template`` replaces the
+        model's for this call; ``tools`` are given to it), then generated from as token ids."""
+        refuse_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        processor = self.llm_engine.input_processor
+        template_kwargs = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                           "continue_final_message": continue_final_message, "tools": tools}
+        template_kwargs.update(chat_template_kwargs or {})  # vLLM's order: chat_template_kwargs win
         prompts = [
-            processor.apply_chat_template(conv, add_generation_prompt, **(chat_template_kwargs or {}))
+            render_chat(self.llm_engine.input_processor, template_messages(conv, chat_template_content_format),
+                        template_kwargs)
             for conv in conversations
         ]
         # The template already holds the special tokens; don't add a second BOS.
         tokenizer = self.llm_engine.tokenizer
         token_prompts = [{"prompt_token_ids": tokenizer.encode(p, add_special_tokens=False), "prompt": p} for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's ``LLM.collective_rpc``: ``worker.method(*args, **kwargs)`` on every worker of the engine, their
+        results in rank order. ``timeout`` (seconds) raises TimeoutError when the workers do not answer in time."""
+        if not isinstance(method, str):
+            raise TypeError(
+                f"collective_rpc takes the name of a Worker method (a str), got {type(method).__name__}; "
+                "callables are not sent to the workers here"
+            )
+        executor = self.llm_engine.engine_core.executor
+        start = time.monotonic()
+        try:
+            return executor.collective_rpc(method, tuple(args), dict(kwargs or {}), timeout_s=timeout)
+        except WorkerDied as exc:
+            if timeout is not None and time.monotonic() - start >= timeout:
+                raise TimeoutError(f"collective_rpc({method!r}): {exc}") from exc
+            raise
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` (see :mod:`runtime.entrypoints.beam_search`); ``params`` is a BeamSearchParams."""
+        refuse_unsupported(lora_request=lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search takes BeamSearchParams, got {type(params).__name__}")
+        return run_beam_search(self, prompts, params)
+
+    def reset_prefix_cache(self, device=None) -> bool:
+        """Forget the cached prefix blocks (vLLM's); False when blocks are still in use and nothing was reset."""
+        return self.llm_engine.engine_core.reset_prefix_cache()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
