@@ -233,3 +233,12 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
+
+
+def __getattr__(name: str):
+    """``BeamSearchParams`` where vLLM's users import it from (defined with the beam search, which imports this)."""
+    if name == "BeamSearchParams":
+        from runtime.entrypoints.beam_search import BeamSearchParams
+
+        return BeamSearchParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

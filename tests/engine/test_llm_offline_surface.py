@@ -141,7 +141,7 @@ def reference_beams(model_path, prompt: list[int], width: int, steps: int) -> li
 
 
 def test_beam_search_matches_a_reference_over_transformers(llm, model_path):
-    from runtime.entrypoints.beam_search import BeamSearchParams
+    from runtime.sampling_params import BeamSearchParams  # where vLLM users import it from
 
     prompt = [5, 60, 700, 81, 9]
     params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True)
