@@ -155,6 +155,9 @@ class NoopDetokenizer(BaseDetokenizer):
 @dataclass(frozen=True, slots=True)
 class _TokenizerFacts:
     special_ids: frozenset[int]  # ids that skip_special_tokens removes
+    # Of those, the ids that skip_special_tokens=True decodes to nothing: dropped before decoding,
+    # they change no text around them, so they never enter the decode window.
+    silent_ids: frozenset[int]
     byte_fallback_ids: frozenset[int]  # ids of "<0xNN>" tokens (SentencePiece byte fallback)
 
 
@@ -171,6 +174,7 @@ def _tokenizer_facts(tokenizer) -> _TokenizerFacts:
         unk = tokenizer.unk_token_id
         facts = _TokenizerFacts(
             special_ids=frozenset(special),
+            silent_ids=frozenset(i for i in special if tokenizer.decode([i], skip_special_tokens=True) == ""),
             byte_fallback_ids=frozenset(i for i in byte_ids if i is not None and i != unk),
         )
         try:
@@ -199,6 +203,7 @@ class IncrementalDetokenizer(BaseDetokenizer):
         self._special_ids = facts.special_ids
         self._byte_fallback_ids = facts.byte_fallback_ids
         self._skipped_ids = facts.special_ids if self.skip_special_tokens else frozenset()
+        self._silent_ids = facts.silent_ids if self.skip_special_tokens else frozenset()
         self._split_special_tokens = not self.skip_special_tokens and params.spaces_between_special_tokens
         self._ids = self._initial_context(prompt_token_ids)  # context tokens, then output tokens
         self._prefix_offset = 0
@@ -228,8 +233,12 @@ class IncrementalDetokenizer(BaseDetokenizer):
         return context
 
     def _decode_next(self, token_id: int) -> str:
-        self._ids.append(token_id)
         predecoded, self._predecoded = self._predecoded, None
+        if token_id in self._silent_ids:
+            # Kept out of the window: a run of them (ignore_eos) would otherwise widen it with each
+            # token, and every step would decode the whole run again (quadratic time).
+            return ""
+        self._ids.append(token_id)
         if predecoded is not None and predecoded[0] == len(self._ids):
             _, prefix_text, full_text = predecoded
         else:
