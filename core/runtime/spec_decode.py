@@ -5,7 +5,11 @@ as ``factory(config)`` with the :class:`runtime.config.EngineConfig` and must be
 runs in the engine core, and again in each worker for worker-side proposers). The engine
 verifies the drafts: it spends them from the token budget, runs the target model on
 ``1 + k`` positions per request and keeps the accepted prefix (rejection sampling lives in
-core, never in a proposer). Two kinds of proposer:
+core, never in a proposer). A proposer whose model holds a limited number of positions (a draft
+model) gives its factory an attribute ``max_positions``, a function of the resolved speculative_config
+dict giving that number (or None): when the user sets no ``max_model_len``, the engine lowers the
+target's to it (vLLM's behaviour); a larger explicit one is the proposer's to refuse. Two kinds of
+proposer:
 
 * **Host proposers** (``uses_kv_cache`` and ``needs_hidden_states`` both False, e.g.
   ``ngram``): after each step EngineCore hands :meth:`Proposer.propose` a

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger(__name__)
+
 MAX_SPECULATIVE_TOKENS = 16
 # The keys speculative_config accepts (vLLM's names); proposers read their own options from it.
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
@@ -66,3 +70,19 @@ def resolve_speculative_config(args) -> dict | None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
     return config
+
+
+def proposer_max_model_len(config: dict, max_model_len: int) -> int:
+    """``max_model_len`` (the target's own: the user set none) lowered to the most positions the proposer
+    holds, as vLLM lowers it for a shorter draft model. A proposer tells them through its factory's
+    attribute ``max_positions`` (``max_positions(speculative_config) -> int | None``)."""
+    from runtime.plugins import get_registry
+
+    max_positions = getattr(get_registry("proposer").get(config["method"]), "max_positions", None)
+    positions = max_positions(config) if max_positions is not None else None
+    if positions is None or positions >= max_model_len:
+        return max_model_len
+    logger.info("max_model_len is %d, not the target model's %d: the %s proposer's model %r holds at most %d positions "
+                "(set --max-model-len to choose another length up to that)", positions, max_model_len,
+                config["method"], config.get("model"), positions)
+    return positions

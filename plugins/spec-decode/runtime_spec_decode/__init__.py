@@ -27,6 +27,12 @@ def register_proposers(register):
 
         return DraftModelProposer.from_config(config)
 
+    def draft_positions(spec):
+        from runtime_spec_decode.draft_model import draft_positions
+
+        return draft_positions(spec)
+
+    draft_model.max_positions = draft_positions  # read by the engine (runtime.spec_decode)
     register("draft_model", draft_model)
 
     def eagle_factory(method):

@@ -12,6 +12,9 @@ import json
 import os
 
 import torch
+from torch import nn
+
+from runtime.models.linear import MergedLinear
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
 
@@ -48,6 +51,46 @@ def read_head_shapes(path: str, what: str) -> dict[str, tuple[int, ...]]:
             tensors = torch.load(file, map_location="meta", weights_only=True)
             shapes.update((name, tuple(t.shape)) for name, t in tensors.items())
     return shapes
+
+
+def checkpoint_shapes(module: nn.Module, stacked: dict[str, tuple[str, str]]) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint holds for ``module`` (built whole, e.g. on the meta device), under the
+    checkpoint's names: a fused projection's parameter as its parts (``q_proj``, ``k_proj``, ``v_proj``),
+    as ``stacked`` maps them for the loader."""
+    parts: dict[str, list[tuple[str, str]]] = {}
+    for checkpoint_name, (fused_name, shard) in stacked.items():
+        parts.setdefault(fused_name, []).append((checkpoint_name, shard))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in module.named_parameters():
+        module_path, _, param_name = name.rpartition(".")
+        parent, _, module_name = module_path.rpartition(".")
+        layer = module.get_submodule(module_path)
+        if module_name not in parts or not isinstance(layer, MergedLinear):
+            shapes[name] = tuple(param.shape)
+            continue
+        for checkpoint_name, shard in parts[module_name]:
+            rows = layer.shard_offsets[shard][1] * layer.tp_size // layer.replicas[shard]  # the whole projection
+            shapes[".".join(filter(None, (parent, checkpoint_name, param_name)))] = (rows, *param.shape[1:])
+    return shapes
+
+
+def check_head_tensors(what: str, path: str, expected: dict[str, tuple[int, ...] | None],
+                       found: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...] | None]) -> None:
+    """Refuse a checkpoint that lacks a tensor of ``expected``, holds one that neither ``expected`` nor
+    ``optional`` names, or holds one of another shape (a shape None: any); the message names the tensors
+    as the checkpoint does."""
+    allowed = {**optional, **expected}
+    wrong = sorted(n for n, shape in allowed.items() if n in found and shape is not None and found[n] != shape)
+    problems = []
+    for label, names in (("missing tensors", sorted(set(expected) - set(found))),
+                         ("unexpected tensors", sorted(set(found) - set(allowed))),
+                         ("tensors of the wrong shape", [f"{n} {list(found[n])} (expected {list(allowed[n])})"
+                                                         for n in wrong])):
+        if names:
+            more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+            problems.append(f"{label} {', '.join(names[:4])}{more}")
+    if problems:
+        raise ValueError(f"{what} {path!r} does not match its config.json: {'; '.join(problems)}")
 
 
 def read_head_tensors(path: str, what: str) -> dict[str, torch.Tensor]:

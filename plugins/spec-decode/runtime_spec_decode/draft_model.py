@@ -56,6 +56,20 @@ def model_positions(hf_config) -> int | None:
     return None
 
 
+def draft_positions(spec: dict) -> int | None:
+    """The most positions the draft model of a speculative_config holds (the engine lowers a default
+    max_model_len to it); None when it names none or cannot be read (the factory then says why)."""
+    from runtime.model_loader.resolve import resolve_model
+
+    path = spec.get("model")
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        return model_positions(resolve_model(path).hf_config)
+    except (ValueError, OSError):
+        return None
+
+
 def check_draft_length(what: str, path: str, hf_config, max_model_len: int) -> None:
     """Refuse a draft that holds fewer positions than the target's max_model_len: a long request would
     run it past its last position (garbage drafts, or an out-of-range read of its position tables)."""

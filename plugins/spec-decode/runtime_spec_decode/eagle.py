@@ -19,18 +19,27 @@ their own carried hidden state), as the published heads were trained.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-from runtime.models.layers import MLP, Linear, RMSNorm
+from runtime.distributed import tp_size
+from runtime.models.layers import MLP, Attention, Linear, RMSNorm
 from runtime.models.linear import MergedLinear
 from runtime.models.llama import STACKED_PARAMS, LlamaAttention, LlamaDecoderLayer, head_dim
 from runtime.models.rotary import RotaryEmbedding, rope_parameters
-from runtime.models.weights import load_hf_weights
+from runtime.models.weights import IGNORED_SUFFIXES, KV_SCALE_SUFFIXES, load_hf_weights
 from runtime.spec_decode import DraftProposals, ProposalBatch, TargetInfo
-from runtime_spec_decode.checkpoint import hf_config, read_head_config, read_head_shapes, read_head_tensors
+from runtime_spec_decode.checkpoint import (
+    check_head_tensors,
+    checkpoint_shapes,
+    hf_config,
+    read_head_config,
+    read_head_shapes,
+    read_head_tensors,
+)
 from runtime_spec_decode.draft_model import check_draft_split, check_target_hidden_size
 from runtime_spec_decode.options import require_model
 
@@ -191,6 +200,7 @@ class EagleProposer:
         if self.is_eagle3 and target_hf_config is not None:
             self.target_layers = self.eagle3_layers(target_text_config(target_hf_config).num_hidden_layers)
         self.check_fc(shapes.get("fc.weight"), head_config.hidden_size, head_size)
+        self.check_tensors(shapes, head_config, target_vocab_size)
 
     def check_fc(self, shape, hidden_size: int, head_size: int) -> None:
         """``fc`` maps what the head reads of the target to its own width: [H, 2H] (EAGLE-1: embeddings and the
@@ -205,6 +215,29 @@ class EagleProposer:
             found = "no fc.weight" if shape is None else f"fc.weight of shape {list(shape)}"
             raise ValueError(f"{self.method} head {self.path!r} has {found}, but its config.json makes it "
                              f"[{hidden_size}, {inputs}] (it reads {reads})")
+
+    def check_tensors(self, shapes: dict[str, tuple[int, ...]], head_config, target_vocab_size: int) -> None:
+        """The checkpoint holds every tensor :meth:`load` asks for, of its shape, and none it would refuse:
+        compared with the head built on the meta device, as the loader names and stacks them."""
+        if tp_size() != 1:
+            return  # a worker of TP > 1 (its layers hold parts): the engine core checked the whole head
+        target = SimpleNamespace(model=None, vocab_size=target_vocab_size)
+        has_embeddings = "embed_tokens.weight" in shapes
+        with torch.device("meta"):
+            if self.is_eagle3:
+                module = Eagle3Module(head_config, target, has_embeddings, self.target_layers or (0, 0, 0))
+            else:
+                module = Eagle1Module(head_config, target, has_embeddings, "fc.bias" in shapes)
+        expected = checkpoint_shapes(module, STACKED_PARAMS)
+        optional = {}
+        if self.is_eagle3:
+            if self.target_layers is None:  # fc's width depends on the target's layers: unknown here
+                expected["fc.weight"] = None
+            optional = {"d2t": (module.draft_vocab_size,), "t2d": None}  # load() reads d2t, drops t2d
+        attention = {name for name, m in module.named_modules() if isinstance(m, Attention) or hasattr(m, "attn")}
+        found = {name: shape for name, shape in shapes.items() if not name.endswith(IGNORED_SUFFIXES)  # the loader
+                 and not any(name.endswith(s) and name[: -len(s)] in attention for s in KV_SCALE_SUFFIXES)}
+        check_head_tensors(f"{self.method} head", self.path, expected, found, optional)
 
     def eagle3_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """The target layers whose inputs an EAGLE-3 head reads: its config's, else the default; checked."""
