@@ -28,12 +28,13 @@ from runtime.config import (
     SchedulerConfig,
     parse_dtype,
 )
-from runtime.speculative_config import resolve_speculative_config
+from runtime.speculative_config import proposer_max_model_len, resolve_speculative_config
 from runtime.kv_transfer import (
     OFFLOADING_CONNECTOR, PREEMPTION_MODES, kv_offload_fields, parse_transfer_config, resolve_kv_offload,
 )
 from runtime.engine_arg_checks import check_numbers as _check_numbers
 from runtime.engine_arg_checks import invalid as _fail
+from runtime.engine_arg_checks import override_generation_defaults as _override_defaults
 from runtime.model_loader.tokenizer import TOKENIZER_MODES
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ class EngineArgs:
     generation_config: str = _arg(
         "auto", "default sampling parameters: auto (the model's generation_config.json), vllm (none: neutral "
         "defaults), or a folder holding a generation_config.json; a request's own values win",
+    )
+    override_generation_config: dict | None = _arg(
+        None, "default sampling values over the generation config's, as JSON (vLLM's): {\"temperature\": 0.5}; keys: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens",
     )
     max_logprobs: int = _arg(20, "most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
     disable_log_stats: bool = _arg(False, "do not log throughput and scheduler stats periodically")
@@ -126,6 +131,8 @@ class EngineArgs:
     kv_offload_policy: str | None = _arg(None, "eviction policy of the cpu offload tier: lru or arc (default lru)")
     kv_transfer_config: dict | str | None = _arg(None, "vLLM's spelling, JSON: {\"kv_connector\": \"OffloadingConnector\", "
                                                  "\"kv_connector_extra_config\": {\"tiers\", \"size\", \"dir\", \"policy\"}}")
+    swap_space: float = _arg(4, "vLLM's CPU swap space in GiB: accepted and unused (--preemption-mode swap keeps "
+                             "preempted KV in the --kv-offload cpu tier)")
     preemption_mode: str = _arg("recompute", "preempted requests' KV: recompute, or swap to the cpu tier", choices=PREEMPTION_MODES)
     guided_decoding_backend: str | None = _arg(
         None, "structured output (guided decoding) backend (default: outlines when runtime-plugin-outlines is installed)",
@@ -296,7 +303,8 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
         served_model_name=names[0],
         served_model_names=names,
         max_logprobs=args.max_logprobs,
-        default_sampling_params=default_sampling_params(args.generation_config, resolved),
+        default_sampling_params=_override_defaults(default_sampling_params(args.generation_config, resolved),
+                                                   args.override_generation_config),
         quantization=quantization,
         resolved=resolved,
         architecture=resolved.architecture,
@@ -339,6 +347,9 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
     kv_offload = resolve_kv_offload(args)
     platform = select_platform(args.platform)
     model_config = build_model_config(args, platform)
+    if speculative_config and args.max_model_len is None:  # the model's own length: a shorter draft lowers it
+        capped = proposer_max_model_len(speculative_config, model_config.max_model_len)
+        model_config = dataclasses.replace(model_config, max_model_len=capped)
     max_len = model_config.max_model_len
     budget = args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
     if not args.enable_chunked_prefill and budget < max_len:

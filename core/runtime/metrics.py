@@ -33,14 +33,19 @@ from prometheus_client import (
     generate_latest,
 )
 
-from runtime.messages import EngineCoreOutput, EngineCoreOutputs
+from runtime.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from runtime.stat_logger import StatLogger
 
 PREFIX = "runtime:"
 VLLM_PREFIX = "vllm:"
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
-_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+# vLLM's bucket bounds (every one of them, so a dashboard's ``le="..."`` query finds its bucket), reaching
+# minutes for the first token and hours for a request: a long queue must not fall into +Inf.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)  # 1, 2, 5, 10 ...
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -184,9 +189,16 @@ class EngineMetrics:
         self.prompt_tokens = m(Counter, "prompt_tokens", "Prompt tokens of requests added")
         self.generation_tokens = m(Counter, "generation_tokens", "Generated tokens")
         self.request_success = m(Counter, "request_success", "Finished requests by finish reason", ("finished_reason",))
+        for reason in FinishReason:  # every reason's series from the start (at 0), as vLLM shows them
+            self.request_success.labels(self.model_name, reason.value)
         self.ttft = m(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS)
         self.tpot = m(
             Histogram, "time_per_output_token_seconds", "Mean time per output token after the first, per request",
+            buckets=_TPOT_BUCKETS,
+        )
+        # vLLM's name of the same per-request mean (its time_per_output_token_seconds samples every token gap)
+        self.request_tpot = m(
+            Histogram, "request_time_per_output_token_seconds", "Mean time per output token after the first, per request",
             buckets=_TPOT_BUCKETS,
         )
         self.itl = m(
@@ -279,7 +291,9 @@ class EngineMetrics:
         self.e2e.observe(now - times.arrival)
         self.request_generation_tokens.observe(times.num_generated)
         if times.num_generated > 1 and times.first_token is not None:
-            self.tpot.observe((times.last_token - times.first_token) / (times.num_generated - 1))
+            tpot = (times.last_token - times.first_token) / (times.num_generated - 1)
+            self.tpot.observe(tpot)
+            self.request_tpot.observe(tpot)
 
     def _record_stats(self, stats: dict) -> None:
         self.num_running.set(stats.get("num_running", 0))

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_ENDPOINT_BY_PATH = {path: name for name, path in ENDPOINTS.items()}  # vLLM's --endpoint spelling: the path
 
 
 @dataclass
@@ -278,7 +279,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="completions")
+    parser.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="completions", type=lambda v: _ENDPOINT_BY_PATH.get(v, v))
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer path (default: the served model's path)")
     parser.add_argument("--api-key", default=os.environ.get("RUNTIME_API_KEY") or os.environ.get("OPENAI_API_KEY"))
