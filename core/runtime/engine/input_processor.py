@@ -102,10 +102,15 @@ class InputProcessor:
 
     def truncate(self, prompt_token_ids: list[int], text: str | None, params: SamplingParams) -> tuple[list[int], str | None]:
         """The prompt's last ``truncate_prompt_tokens`` tokens (-1: the last max_model_len) and its text, which is
-        dropped once it names more than they do; or the prompt as it is."""
+        dropped once it names more than they do; or the prompt as it is. ValueError (as vLLM's) for a
+        ``truncate_prompt_tokens`` longer than the context, which no prompt could run with."""
         keep = params.truncate_prompt_tokens
+        max_len = self.model_config.max_model_len
+        if keep is not None and keep > max_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_len}); "
+                             f"use at most {max_len}, or -1 to keep the last max_model_len tokens")
         if keep == -1:
-            keep = self.model_config.max_model_len
+            keep = max_len
         if keep is None or len(prompt_token_ids) <= keep:
             return prompt_token_ids, text
         return prompt_token_ids[-keep:], None

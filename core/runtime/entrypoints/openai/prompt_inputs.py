@@ -32,9 +32,16 @@ def checked_input(
 def tokenize_prompts(
     processor: InputProcessor, prompts: list[PromptType], params: SamplingParams, max_tokens_param: str | None = "max_tokens"
 ) -> list[dict]:
-    """``checked_input`` of each prompt (text or token ids), in order."""
+    """``checked_input`` of each prompt (text or token ids), in order; of several, an error about one of them
+    names it by its index ("prompt[1] must not be empty")."""
     inputs = []
-    for prompt in prompts:
-        prompt_token_ids, text = processor.tokenize(prompt)
-        inputs.append(checked_input(processor, prompt_token_ids, text, params, max_tokens_param))
+    for index, prompt in enumerate(prompts):
+        try:
+            prompt_token_ids, text = processor.tokenize(prompt)
+            inputs.append(checked_input(processor, prompt_token_ids, text, params, max_tokens_param))
+        except ValueError as exc:
+            message = str(exc)
+            if len(prompts) == 1 or getattr(exc, "param", None) is not None or not message.startswith("prompt "):
+                raise
+            raise ValueError(f"prompt[{index}]{message.removeprefix('prompt')}") from None
     return inputs

@@ -106,6 +106,9 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None  # false: at most one call in a message (a named choice makes one)
     echo: bool = False  # vLLM's: the reply starts with the last message's content when that message has the reply's role
     prompt_logprobs: Int64 | None = None  # vLLM's: the templated prompt's logprobs, in the response's prompt_logprobs
+    # vLLM's: the response's prompt_token_ids (the templated prompt) and each choice's token_ids; streamed, the first
+    # chunk has prompt_token_ids and each chunk of a choice its new token_ids
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _switches_from_template_kwargs(self) -> "ChatCompletionRequest":

@@ -16,7 +16,7 @@ class JsonSchemaFormat(OpenAIBaseModel):
     """OpenAI's ``response_format.json_schema``."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
-    name: str = "response"
+    name: str  # required, as in OpenAI's API and vLLM's protocol
     description: str | None = None
     schema_: JsonObject | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the schema is always enforced

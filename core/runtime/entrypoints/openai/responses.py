@@ -191,10 +191,12 @@ class StreamChunks:
     def __init__(self, request_id: str, model: str, object_name: str):
         self._head = {"id": request_id, "object": object_name, "created": _now(), "model": model}
 
-    def event(self, choices: list[dict[str, Any]], usage: UsageInfo | None = None) -> bytes:
+    def event(self, choices: list[dict[str, Any]], usage: UsageInfo | None = None, **fields: Any) -> bytes:
+        """The event of one chunk; ``fields`` are top-level fields of this chunk only (vLLM's prompt_token_ids)."""
         chunk = {**self._head, "choices": choices}
         if usage is not None:
             chunk["usage"] = usage.model_dump()
+        chunk.update(fields)
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
 

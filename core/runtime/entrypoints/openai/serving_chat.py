@@ -60,7 +60,7 @@ class OpenAIServingChat(OpenAIServing):
         stream = prepend(first, rest)
         if request.stream:
             num_prompt = len(first.prompt_token_ids or ()) if first is not None else 0
-            body = self._stream(request, model, request_id, stream, num_prompt)
+            body = self._stream(request, model, request_id, stream, num_prompt, prompt["prompt_token_ids"])
             return StreamingResponse(body, media_type="text/event-stream")
         final = None
         async for output in stream:
@@ -72,6 +72,11 @@ class OpenAIServingChat(OpenAIServing):
         body = self._response(request, model, request_id, final).model_dump()
         if request.prompt_logprobs is not None:  # vLLM's
             body["prompt_logprobs"] = self.prompt_logprobs_field(final.prompt_logprobs)
+        if request.return_token_ids:  # vLLM's: the prompt's ids, and each choice's
+            body["prompt_token_ids"] = final.prompt_token_ids
+            token_ids = {output.index: output.token_ids for output in final.outputs}
+            for choice in body["choices"]:
+                choice["token_ids"] = token_ids[choice["index"]]
         if request.kv_transfer_params is not None:
             add_kv_transfer_fields(body, final)
         return JSONResponse(body)
@@ -182,16 +187,18 @@ class OpenAIServingChat(OpenAIServing):
     # -------------------------------------------------------------- streaming
     async def _stream(
         self, request: ChatCompletionRequest, model: str, request_id: str, stream: AsyncGenerator[RequestOutput, None],
-        num_prompt: int = 0,
+        num_prompt: int = 0, prompt_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[str, None]:
         num_generated = 0
         continuous = request.continuous_usage
         readers = {index: self.tool_call_reader(request) for index in range(request.n)}
         chunks = StreamChunks(request_id, model, "chat.completion.chunk")
+        # vLLM's return_token_ids: the prompt's ids come with the first chunk of each choice
+        first_fields = {"prompt_token_ids": list(prompt_token_ids or ())} if request.return_token_ids else {}
         try:
             for index in range(request.n):
                 role = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-                yield chunks.event([role.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None)
+                yield chunks.event([role.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None, **first_fields)
             echoed = request.echoed_text()
             for index in range(request.n if echoed else 0):
                 echo = ChatStreamChoice(index=index, delta=DeltaMessage(content=echoed))
@@ -217,14 +224,19 @@ class OpenAIServingChat(OpenAIServing):
     def _stream_choice(
         self, request: ChatCompletionRequest, completion: CompletionOutput, reader: ToolParser | None = None
     ) -> dict | None:
-        """The streamed choice (a dict as ``ChatStreamChoice`` dumps) of one new output; None for nothing new."""
+        """The streamed choice (a dict as ``ChatStreamChoice`` dumps, with vLLM's ``token_ids`` where the request
+        asks for them) of one new output; None for nothing new."""
+        has_ids = request.return_token_ids and bool(completion.token_ids)  # ids without text are still sent
         if reader is None and not request.logprobs:  # the common case, without building models
-            if not completion.text and completion.finish_reason is None:
+            if not completion.text and completion.finish_reason is None and not has_ids:
                 return None
-            return {
+            choice = {
                 "index": completion.index, "delta": {"role": None, "content": completion.text or None, "tool_calls": None},
                 "logprobs": None, "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             }
+            if request.return_token_ids:
+                choice["token_ids"] = completion.token_ids
+            return choice
         logprobs = self._logprobs(request, completion) if completion.token_ids else None
         content, tool_calls, finish_reason = completion.text, None, completion.finish_reason
         if reader is not None:
@@ -237,19 +249,22 @@ class OpenAIServingChat(OpenAIServing):
             if request.parallel_tool_calls is False:  # only the first call, as the unary response keeps
                 deltas = [d for d in deltas if d.index == 0]
             tool_calls = [_delta_tool_call(d) for d in deltas] or None
-        if not content and tool_calls is None and logprobs is None and finish_reason is None:
+        if not content and tool_calls is None and logprobs is None and finish_reason is None and not has_ids:
             return None
         if content or tool_calls or logprobs:
             delta = DeltaMessage(content=content or None if reader is not None else content, tool_calls=tool_calls)
         else:
             delta = DeltaMessage()
-        return ChatStreamChoice(
+        choice = ChatStreamChoice(
             index=completion.index,
             delta=delta,
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
         ).model_dump()
+        if request.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        return choice
 
 
 def _finish_reason(request: ChatCompletionRequest, finish_reason: str | None, called: bool) -> str | None:

@@ -191,14 +191,16 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = logprobs or CompletionLogprobs()
             tokens_end = self._add_logprobs(logprobs, request, completion.token_ids, completion.logprobs, offset)
         offsets[index] = max(offset + len(completion.text), tokens_end)
-        has_ids = request.return_token_ids and completion.token_ids
+        has_ids = request.return_token_ids and (completion.token_ids or first)  # the first carries the prompt's
         if not text and logprobs is None and completion.finish_reason is None and not has_ids:
             return None
         choice = {
             "index": index, "text": text, "logprobs": logprobs.model_dump() if logprobs is not None else None,
             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
         }
-        if request.return_token_ids:
+        if request.return_token_ids:  # vLLM's: the prompt's ids in the first chunk of each choice, then only new ones
+            if first:
+                choice["prompt_token_ids"] = list(output.prompt_token_ids or ())
             choice["token_ids"] = completion.token_ids
         return choice
 
