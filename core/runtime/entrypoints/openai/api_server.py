@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import sys
+import uuid
 from importlib import metadata
 
 from fastapi import FastAPI, Request
@@ -185,7 +186,10 @@ def serving_context(args, engine) -> ServingContext:
 
 def build_app(args, engine) -> FastAPI:
     """The FastAPI app over a started AsyncLLM; ``args`` are the ``runtime serve`` flags."""
-    app = FastAPI(title="runtime OpenAI-compatible server", version=runtime_version())
+    no_docs = getattr(args, "disable_fastapi_docs", False)
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if no_docs else {}
+    root_path = (getattr(args, "root_path", None) or "").rstrip("/")
+    app = FastAPI(title="runtime OpenAI-compatible server", version=runtime_version(), root_path=root_path, **docs)
     app.router.route_class = CheckedBodyRoute  # JSON bodies only, with valid Unicode strings
     app.state.metrics = engine.metrics
     ctx = serving_context(args, engine)
@@ -204,14 +208,66 @@ def build_app(args, engine) -> FastAPI:
         app.add_middleware(middleware.APIKeyMiddleware, metrics=metrics, api_key=args.api_key)
     app.add_middleware(middleware.BodySizeLimitMiddleware, metrics=metrics, max_bytes=ctx.limits.max_body_bytes)
     origins = [o.strip() for o in (getattr(args, "allowed_origins", "") or "").split(",") if o.strip()]
-    if origins:
+    if origins:  # credentials only when asked for, as vLLM; `runtime serve` refuses them with "*"
         app.add_middleware(
-            CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"],
-            allow_credentials="*" not in origins,
+            CORSMiddleware, allow_origins=origins, allow_methods=getattr(args, "allowed_methods", ["*"]),
+            allow_headers=getattr(args, "allowed_headers", ["*"]),
+            allow_credentials=getattr(args, "allow_credentials", False),
         )
+    if getattr(args, "enable_request_id_headers", False):
+        app.add_middleware(RequestIdMiddleware)  # outside the checks above, so their errors carry it too
     known = {route.path for route in app.routes}
     app.add_middleware(middleware.HTTPMetricsMiddleware, metrics=metrics, known_paths=known)
+    if root_path:
+        app.add_middleware(RootPathMiddleware, root_path=root_path)
     return app
+
+
+class RootPathMiddleware:
+    """--root-path (FastAPI's root_path, as vLLM sets it): routing takes "/prefix/v1/..." (a proxy that kept the
+    prefix) as "/v1/..."; every middleware sees that path too, so the API key and the limits apply to it as well."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and path.startswith(self.root_path + "/"):
+            scope = {**scope, "path": path[len(self.root_path):]}
+        await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every HTTP response has X-Request-Id, the request's own if it sent one,
+    else a new random id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def uvicorn_config(app: FastAPI, args):
+    """uvicorn's settings from the ``runtime serve`` flags (vLLM's names): log level, access log, TLS."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", "info"),
+        access_log=not getattr(args, "disable_uvicorn_access_log", False), timeout_graceful_shutdown=3,
+        ssl_keyfile=getattr(args, "ssl_keyfile", None), ssl_certfile=getattr(args, "ssl_certfile", None),
+        ssl_ca_certs=getattr(args, "ssl_ca_certs", None), ssl_cert_reqs=getattr(args, "ssl_cert_reqs", 0),
+    )
 
 
 def run_server(args, engine_args: EngineArgs) -> int:
@@ -263,9 +319,7 @@ async def serve(args, engine_args: EngineArgs, config: EngineConfig, sock=None, 
         print(f"runtime: error: the engine failed to start: {exc}", file=sys.stderr)
         return 1
     app = build_app(args, engine)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=3)
-    )
+    server = uvicorn.Server(uvicorn_config(app, args))
     grace = float(os.environ.get(_DEATH_GRACE_ENV, "3"))
 
     def on_engine_dead(error) -> None:
@@ -274,7 +328,9 @@ async def serve(args, engine_args: EngineArgs, config: EngineConfig, sock=None, 
 
     engine.on_engine_dead(on_engine_dead)
     pids = ", ".join(str(pid) for pid in engine.engine_pids)
-    logger.info("serving %s on http://%s:%d (engine pid %s)", config.model_config.served_model_name, args.host, args.port, pids)
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    logger.info("serving %s on %s://%s:%d (engine pid %s)", config.model_config.served_model_name, scheme, args.host,
+                args.port, pids)
     if config.model_config.default_sampling_params:
         logger.info("default sampling parameters from the model's generation config (--generation-config vllm "
                     "ignores them): %s", config.model_config.default_sampling_params)
