@@ -17,7 +17,10 @@ for placeholder consts whose literal is then replaced in its regex by our own: b
 (:mod:`runtime_outlines.schema_features`, which also refuses the keywords outlines-core ignores, such as
 ``multipleOf``) and nested any-field objects
 (``{"type": "object"}``, e.g. a tool without parameters), which get the bounded-depth generic
-object regex.
+object regex, as any-value sub-schemas (``{}``, annotations only) get the generic value regex.
+``enum``/``const`` values are kept to those the rest of their schema allows
+(:func:`runtime_outlines.schema_features.enum_schema`), and those listing objects or arrays get our
+own regex of their compact JSON (outlines-core leaves the strings inside them unescaped).
 
 Compile time is the automaton's state count times the vocabulary (outlines-core walks every
 token from every state: ~1 ms per state for SmolLM2's 49k tokens on a loaded CPU). Bounded
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 from runtime.structured_output import GuidedKind
 from runtime_outlines.numbers import bounded_number_regex, replace_subschemas, subschema_depth
-from runtime_outlines.schema_features import check_supported, format_regex, pattern_schema
+from runtime_outlines.schema_features import check_supported, enum_schema, format_regex, pattern_schema
 from runtime_outlines.schema_refs import check_not_recursive
 
 # Whitespace allowed between JSON tokens: at most one space or newline. An unbounded pattern
@@ -74,9 +77,12 @@ def escape_regex(text: str) -> str:
     return "".join(out)
 
 
-def json_object_regex(whitespace: str = DEFAULT_WHITESPACE, depth: int = JSON_OBJECT_DEPTH) -> str:
+def json_object_regex(whitespace: str = DEFAULT_WHITESPACE, depth: int = JSON_OBJECT_DEPTH, *,
+                      any_value: bool = False) -> str:
     """Any JSON object whose values nest at most ``depth`` objects/arrays deep (outlines-core's
-    own regex for ``{"type": "object"}`` takes seconds to compile and gigabytes of memory)."""
+    own regex for ``{"type": "object"}`` takes seconds to compile and gigabytes of memory); with
+    ``any_value``, any JSON value nested at most ``depth`` deep (for ``{}``: outlines-core's own
+    regex for an array of any items took six minutes to compile on SmolLM2)."""
     ws = f"(?:{whitespace})"
     string = r'"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
     number = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -91,7 +97,7 @@ def json_object_regex(whitespace: str = DEFAULT_WHITESPACE, depth: int = JSON_OB
 
     for _ in range(depth - 1):
         value = f"(?:{value}|{obj(value)}|{arr(value)})"
-    return obj(value)
+    return f"(?:{value}|{obj(value)}|{arr(value)})" if any_value else obj(value)
 
 
 def _strip_anchors(regex: str) -> str:
@@ -120,6 +126,20 @@ def _explain_regex_error(regex: str) -> str:
         return "; outlines-core (Rust regex syntax, compiled to a DFA) does not support " + ", ".join(found)
     return "; check the syntax (outlines-core uses Rust regex syntax, compiled to a DFA)"
 
+
+
+_ANNOTATION_KEYS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+
+
+def literal_values_regex(node: dict) -> str | None:
+    """Our regex for an ``enum``/``const`` listing an object or array (outlines-core writes the
+    strings inside them unescaped: the key ``k"`` became ``"k""``): each value as compact JSON,
+    longest first (outlines-core's DFA cuts off an alternative that extends an earlier one)."""
+    values = node["enum"] if "enum" in node else [node["const"]] if "const" in node else None
+    if not isinstance(values, list) or not any(isinstance(v, (dict, list)) for v in values):
+        return None
+    texts = {json.dumps(v, separators=(",", ":"), ensure_ascii=False) for v in values}
+    return "|".join(escape_regex(text) for text in sorted(texts, key=len, reverse=True))
 
 
 _GENERIC_OBJECT_KEYS = {"type", "title", "description", "$schema", "additionalProperties", "properties"}
@@ -217,7 +237,16 @@ class SpecCompiler:
             # What outlines-core 0.2.14 gets wrong or makes huge, as our own regexes.
             if _is_generic_object(node):
                 return generic_object
-            return bounded_number_regex(node) or format_regex(node) or pattern_schema(node)
+            if node and set(node) <= _ANNOTATION_KEYS or node is not schema and not node:  # any value
+                return json_object_regex(self.whitespace_pattern, NESTED_JSON_OBJECT_DEPTH, any_value=True)
+            if (node.get("type") == "object" and node.get("additionalProperties") is False
+                    and not isinstance(node.get("properties"), dict)):
+                return {**node, "properties": {}}  # no fields at all: outlines-core needs the empty map
+            listed = enum_schema(node)  # the values of an enum/const that the rest of its schema allows
+            literal = literal_values_regex(listed or node)
+            if literal is not None:
+                return literal
+            return listed or bounded_number_regex(node) or format_regex(node) or pattern_schema(node)
 
         try:
             rewritten, placeholders = replace_subschemas(schema, replacement, spec)

@@ -15,6 +15,7 @@ checkers accept, for :func:`runtime_outlines.numbers.replace_subschemas`.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -79,7 +80,20 @@ def check_supported(schema: Any) -> None:
         stack.extend((child, f"{path}/{key}") for key, child in subschemas(node))
 
 
+# Keywords that may stand beside a ``$ref`` without constraining anything (outlines-core follows the
+# ``$ref`` alone and drops every other keyword of its schema).
+_ANNOTATIONS = {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title", "description",
+                "default", "examples", "deprecated", "readOnly", "writeOnly"}
+
+
 def _problem(node: dict) -> str | None:
+    for key in ("enum", "anyOf", "oneOf", "type"):
+        if node.get(key) == []:
+            return f"an empty {key} list (no value can match it)"
+    if "$ref" in node:
+        beside = sorted(set(node) - _ANNOTATIONS)
+        if beside:
+            return f"$ref together with {', '.join(beside)} (outlines-core would drop them)"
     if "enum" in node or "const" in node:
         return None  # the listed values are the output: other keywords add nothing outlines-core uses
     for key, name in _IGNORED.items():
@@ -93,6 +107,9 @@ def _problem(node: dict) -> str | None:
     for key in ("pattern", "format"):
         if key in node and ("minLength" in node or "maxLength" in node):
             return f"{key} together with minLength/maxLength"
+    low, high = node.get("minItems"), node.get("maxItems")
+    if isinstance(low, int) and isinstance(high, int) and low > high:
+        return "minItems larger than maxItems (no array can match)"
     prefix = node.get("prefixItems")
     if isinstance(prefix, list) and isinstance(node.get("minItems"), int) and node["minItems"] > len(prefix):
         return "minItems larger than the number of prefixItems"
@@ -114,6 +131,9 @@ def _object_problem(node: dict) -> str | None:
     properties = properties if isinstance(properties, dict) else {}
     required = node.get("required")
     required = [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+    for name in properties:
+        if any(ch in '"\\' or ord(ch) < 0x20 for ch in name):  # outlines-core writes the name unescaped
+            return f"the property name {name!r}, which JSON must escape,"
     missing = [name for name in required if name not in properties]
     if missing:
         return f"required property {missing[0]!r} not listed in properties"
@@ -124,6 +144,70 @@ def _object_problem(node: dict) -> str | None:
     if isinstance(high, int) and not isinstance(high, bool) and (not properties or high < len(properties)):
         return "maxProperties smaller than the number of properties"
     return None
+
+
+# ---------------------------------------------------------------------------- enum and const
+_JSON_TYPES = {
+    "null": lambda v: v is None,
+    "boolean": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "integer": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer(),
+}
+# Keywords checked against each listed value, by the type of value they apply to.
+_VALUE_CHECKS = {
+    "minimum": (("number",), lambda v, b: v >= b),
+    "maximum": (("number",), lambda v, b: v <= b),
+    "exclusiveMinimum": (("number",), lambda v, b: v > b),
+    "exclusiveMaximum": (("number",), lambda v, b: v < b),
+    "minLength": (("string",), lambda v, b: len(v) >= b),
+    "maxLength": (("string",), lambda v, b: len(v) <= b),
+}
+
+
+def enum_schema(node: Any) -> dict | None:
+    """For :func:`runtime_outlines.numbers.replace_subschemas`: an ``enum``/``const`` schema with its
+    ``type``, bounds and lengths (which outlines-core ignores there, writing every listed value) applied
+    to the listed values, as ``{"enum": values kept}``; ValueError where no value is left; None for any
+    other schema and where every value is kept."""
+    if not isinstance(node, dict) or not {"enum", "const"} & set(node):
+        return None
+    values = node["enum"] if "enum" in node else [node["const"]]
+    if not isinstance(values, list):
+        return None  # outlines-core names a malformed enum itself
+    if "const" in node:
+        values = [node["const"]] if any(_same_json(node["const"], v) for v in values) else []
+    kept = [value for value in values if _value_allowed(node, value)]
+    if not kept:
+        if "const" in node:
+            raise ValueError(f"the const {_short_json(node['const'])} does not satisfy the rest of its schema")
+        raise ValueError(f"no value of the enum {_short_json(values)} satisfies the rest of its schema")
+    both = "const" in node and "enum" in node  # outlines-core would follow one of them
+    return None if len(kept) == len(values) and not both else {"enum": kept}
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    return a == b and type(a) is type(b) or (_JSON_TYPES["number"](a) and _JSON_TYPES["number"](b) and a == b)
+
+
+def _value_allowed(node: dict, value: Any) -> bool:
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    if isinstance(types, list) and not any(_JSON_TYPES.get(t, lambda v: True)(value) for t in types):
+        return False
+    for key, (kinds, check) in _VALUE_CHECKS.items():
+        bound = node.get(key)
+        if isinstance(bound, (int, float)) and not isinstance(bound, bool) and _JSON_TYPES[kinds[0]](value):
+            if not check(value, bound):
+                return False
+    return True
+
+
+def _short_json(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 120 else text[:120] + "..."
 
 
 # ---------------------------------------------------------------------------- string patterns
@@ -139,13 +223,49 @@ def pattern_schema(node: Any) -> dict | None:
     if not isinstance(node, dict) or not isinstance(node.get("pattern"), str) or {"enum", "const"} & set(node):
         return None
     pattern = node["pattern"]
+    grouped = _grouped(pattern)
     if not _may_match_unsafe(pattern):
-        return None
+        return None if grouped == pattern else {**node, "pattern": grouped}
     safe = _exclude_unsafe(pattern)
     if _may_match_unsafe(safe):
         raise ValueError(f"the pattern {pattern!r} can match '\"', '\\' or a control character, which the outlines "
                          "guided decoding backend cannot escape in a JSON string")
-    return {**node, "pattern": safe}
+    return {**node, "pattern": _grouped(safe)}
+
+
+def _grouped(pattern: str) -> str:
+    """``pattern`` with a top-level alternation in one group, each alternative's own ``^``/``$`` dropped:
+    outlines-core puts the pattern between the string's quotes as it is, so ``ab|cd`` allowed ``"ab``
+    and ``cd"`` (a full match of an alternative also matches the pattern as JSON Schema searches it)."""
+    alternatives, depth, start, i = [], 0, 0, 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 1
+        elif ch == "[":
+            i += 1 + (pattern[i + 1:i + 2] == "^")
+            i += pattern[i:i + 1] == "]"  # a leading ] is a literal
+            while i < len(pattern) and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            alternatives.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    if not alternatives:
+        return pattern
+    alternatives.append(pattern[start:])
+    return "(?:" + "|".join(_strip_anchors(alt) for alt in alternatives) + ")"
+
+
+def _strip_anchors(pattern: str) -> str:
+    pattern = pattern[1:] if pattern.startswith("^") else pattern
+    if pattern.endswith("$") and (len(pattern) - len(pattern[:-1].rstrip("\\")) - 1) % 2 == 0:
+        pattern = pattern[:-1]  # not an escaped \$
+    return pattern
 
 
 def _may_match_unsafe(pattern: str) -> bool:

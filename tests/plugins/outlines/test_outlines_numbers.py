@@ -166,7 +166,7 @@ REACH = {
         "free": {"type": "integer"},
         "level": {"enum": [1, 2.5, 300]},
         "version": {"const": 2018},
-        "capped_enum": {"type": "integer", "minimum": 0, "maximum": 5, "enum": [7]},
+        "capped_enum": {"type": "integer", "minimum": 0, "maximum": 5, "enum": [3, 7]},  # 7: out of bounds
     },
 }
 
@@ -179,10 +179,11 @@ def test_rewrite_reaches_every_place(smollm2_backend):
         return bool(regex.fullmatch(json.dumps(fields, separators=(",", ":"))))
 
     good = dict(age=120, ages=[0, 7], pair=[3, 5], either=99, one=1001, all=1, pct=99.5, small=-3, maybe=None,
-                free=-123456, level=300, version=2018, capped_enum=7)
+                free=-123456, level=300, version=2018, capped_enum=3)
     assert ok(**good)
     for key, bad in [("age", 121), ("age", -1), ("ages", [0, 2018]), ("pair", [3, 7]), ("either", 121), ("one", 999),
-                     ("all", 2018), ("pct", 100.5), ("small", 4), ("maybe", 3), ("level", 3), ("version", 2019)]:
+                     ("all", 2018), ("pct", 100.5), ("small", 4), ("maybe", 3), ("level", 3), ("version", 2019),
+                     ("capped_enum", 7), ("capped_enum", 4)]:
         assert not ok(**{**good, key: bad}), (key, bad)
     assert ok(**{**good, "maybe": 2, "either": "abc"})
     map_regex = re.compile(smollm2_backend.to_regex(GuidedKind.JSON, json.dumps(REACH["properties"]["map"])))
