@@ -49,6 +49,11 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
         llm.generate({"prompt_token_ids": [5, 999999]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="logit_bias token id"):
         llm.generate("hello", SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
+    # of several prompts, the refused one is named by its index (as the server names it)
+    with pytest.raises(ValueError, match=r"^prompt\[1\] must not be empty"):
+        llm.generate(["hello", ""], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^prompt\[0\] has 80 tokens, but max_model_len is 64"):
+        llm.generate([{"prompt_token_ids": [5] * 80}, "hello"], GREEDY, use_tqdm=False)
     # nothing leaked, and the engine still serves
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate(["hello world", "the sky is"], GREEDY, use_tqdm=False)

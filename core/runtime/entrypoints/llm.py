@@ -83,7 +83,12 @@ class LLM:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, sp, priority[i] if priority else 0)
+                try:
+                    engine.add_request(request_id, prompt, sp, priority[i] if priority else 0)
+                except ValueError as exc:  # of several prompts, the one refused is named by its index
+                    if len(prompts) == 1 or not str(exc).startswith("prompt "):
+                        raise
+                    raise ValueError(f"prompt[{i}]{str(exc).removeprefix('prompt')}") from None
                 ids.append(request_id)
         except BaseException:  # a prompt refused: the ones added before it must not stay in the engine
             if ids:

@@ -87,8 +87,8 @@ def run_api_servers(args, engine_args: EngineArgs, config: EngineConfig | None =
         ]
         for worker in workers:
             worker.start()
-        logger.info("%d API server processes (pids %s) share http://%s:%d", count,
-                    ", ".join(str(w.pid) for w in workers), args.host, args.port)
+        logger.info("%d API server processes (pids %s) share %s://%s:%d", count, ", ".join(str(w.pid) for w in workers),
+                    "https" if getattr(args, "ssl_certfile", None) else "http", args.host, args.port)
         raise_if_stop_requested()  # a SIGTERM during start-up whose KeyboardInterrupt a library swallowed
         failure = _watch(engines, workers)
     except KeyboardInterrupt:
