@@ -26,6 +26,19 @@ def accepts_text(backend, grammar, text: str) -> bool:
     return grammar.fork().validate_tokens(tokens) == len(tokens)
 
 
+def check_grammar(backend, schema: dict, allowed: list[str], refused: list[str]) -> None:
+    """The schema's grammar accepts each allowed text and refuses each refused one, and its random walks
+    (6 seeds) end in JSON that validates against the schema."""
+    grammar = backend.compile(GuidedKind.JSON, json.dumps(schema))
+    for text in allowed:
+        assert accepts_text(backend, grammar, text), text
+    for text in refused:
+        assert not accepts_text(backend, grammar, text), text
+    for seed in range(6):
+        tokens = walk(backend, grammar.fork(), seed)
+        jsonschema.validate(json.loads(completed_text(backend, tokens)), schema)
+
+
 @pytest.mark.parametrize("schema, allowed, refused", [
     ({"type": "string", "enum": ["a", 1, "b"]}, ['"a"', '"b"'], ["1"]),
     ({"type": "integer", "enum": [1, 50, True, 2.5], "maximum": 10}, ["1"], ["50", "true", "2.5"]),
@@ -36,15 +49,7 @@ def accepts_text(backend, grammar, text: str) -> bool:
     ({"type": "number", "const": 4, "exclusiveMinimum": 0}, ["4"], ["5"]),
 ])
 def test_enum_values_are_kept_to_the_rest_of_their_schema(smollm2_backend, schema, allowed, refused):
-    grammar = smollm2_backend.compile(GuidedKind.JSON, json.dumps(schema))
-    for text in allowed:
-        assert accepts_text(smollm2_backend, grammar, text), text
-    for text in refused:
-        assert not accepts_text(smollm2_backend, grammar, text), text
-    for seed in range(6):
-        g = grammar.fork()
-        tokens = walk(smollm2_backend, g, seed)
-        jsonschema.validate(json.loads(completed_text(smollm2_backend, tokens)), schema)
+    check_grammar(smollm2_backend, schema, allowed, refused)
 
 
 @pytest.mark.parametrize("schema, message", [
@@ -87,14 +92,7 @@ def test_ref_with_annotations_only_still_compiles(smollm2_backend):
      [r'{"c":{"x\\":null}}'], [r'{"c":{"x\":null}}']),
 ])
 def test_pattern_alternatives_and_listed_values_stay_json(smollm2_backend, schema, allowed, refused):
-    grammar = smollm2_backend.compile(GuidedKind.JSON, json.dumps(schema))
-    for text in allowed:
-        assert accepts_text(smollm2_backend, grammar, text), text
-    for text in refused:
-        assert not accepts_text(smollm2_backend, grammar, text), text
-    for seed in range(6):
-        tokens = walk(smollm2_backend, grammar.fork(), seed)
-        jsonschema.validate(json.loads(completed_text(smollm2_backend, tokens)), schema)
+    check_grammar(smollm2_backend, schema, allowed, refused)
 
 
 @pytest.mark.parametrize("name", ['a"b', "c\\d", "x\ny"])
