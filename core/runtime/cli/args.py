@@ -32,6 +32,19 @@ def json_object(text: str) -> dict:
     return value
 
 
+def json_or_comma_list(text: str) -> list:
+    """A list-valued flag's value: vLLM's JSON list (``'["a", "b"]'``) or comma-separated text."""
+    if not text.lstrip().startswith("["):
+        return [item.strip() for item in text.split(",")]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a valid JSON list ({exc}): {text!r}") from None
+    if not isinstance(value, list):
+        raise argparse.ArgumentTypeError(f"must be a JSON list ([...]) or comma-separated, got {text!r}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     group = parser.add_argument_group("engine arguments")
     for f in dataclasses.fields(EngineArgs):

@@ -8,7 +8,7 @@ import os
 import re
 import ssl
 
-from runtime.cli.args import add_engine_args, engine_args_from_namespace, json_object
+from runtime.cli.args import add_engine_args, engine_args_from_namespace, json_object, json_or_comma_list
 from runtime.entrypoints.openai.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CHOICES_PER_REQUEST,
@@ -95,14 +95,8 @@ def name_list(kind: str, pattern: re.Pattern):
     """The type of a CORS list flag: vLLM's JSON list or comma-separated names, each matching ``pattern``."""
 
     def parse(text: str) -> list[str]:
-        if text.lstrip().startswith("["):
-            try:
-                names = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise argparse.ArgumentTypeError(f"not a valid JSON list ({exc}): {text!r}") from None
-        else:
-            names = [name.strip() for name in text.split(",")]
-        if not isinstance(names, list) or not names:
+        names = json_or_comma_list(text)
+        if not names:
             raise argparse.ArgumentTypeError(f"must be a list of {kind} names, got {text!r}")
         bad = next((n for n in names if not isinstance(n, str) or not pattern.fullmatch(n)), None)
         if bad is not None:
@@ -117,10 +111,7 @@ def origin_list(text: str) -> str:
     or runtime's comma-separated text."""
     if not text.lstrip().startswith("["):
         return text
-    try:
-        origins = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not a valid JSON list ({exc}): {text!r}") from None
+    origins = json_or_comma_list(text)
     if not all(isinstance(o, str) and o and "," not in o for o in origins):
         raise argparse.ArgumentTypeError(f"must be a list of origin strings, got {text!r}")
     return ",".join(origins)

@@ -25,6 +25,7 @@ from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
 from runtime.engine.core_client import EngineStartupError, raise_if_stop_requested
 from runtime.entrypoints.openai import middleware
+from runtime.entrypoints.openai.api_servers import url_scheme
 from runtime.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from runtime.entrypoints.openai.limits import RequestLimits
 from runtime.entrypoints.openai.protocol import (
@@ -328,9 +329,8 @@ async def serve(args, engine_args: EngineArgs, config: EngineConfig, sock=None, 
 
     engine.on_engine_dead(on_engine_dead)
     pids = ", ".join(str(pid) for pid in engine.engine_pids)
-    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
-    logger.info("serving %s on %s://%s:%d (engine pid %s)", config.model_config.served_model_name, scheme, args.host,
-                args.port, pids)
+    logger.info("serving %s on %s://%s:%d (engine pid %s)", config.model_config.served_model_name, url_scheme(args),
+                args.host, args.port, pids)
     if config.model_config.default_sampling_params:
         logger.info("default sampling parameters from the model's generation config (--generation-config vllm "
                     "ignores them): %s", config.model_config.default_sampling_params)

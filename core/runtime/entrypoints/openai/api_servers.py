@@ -57,6 +57,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def url_scheme(args) -> str:
+    """How the server is reached: https with --ssl-certfile, else http."""
+    return "https" if getattr(args, "ssl_certfile", None) else "http"
+
+
 def run_api_servers(args, engine_args: EngineArgs, config: EngineConfig | None = None) -> int:
     """Serve with ``args.api_server_count`` API processes until stopped; the exit code of ``runtime serve``."""
     count = args.api_server_count
@@ -88,7 +93,7 @@ def run_api_servers(args, engine_args: EngineArgs, config: EngineConfig | None =
         for worker in workers:
             worker.start()
         logger.info("%d API server processes (pids %s) share %s://%s:%d", count, ", ".join(str(w.pid) for w in workers),
-                    "https" if getattr(args, "ssl_certfile", None) else "http", args.host, args.port)
+                    url_scheme(args), args.host, args.port)
         raise_if_stop_requested()  # a SIGTERM during start-up whose KeyboardInterrupt a library swallowed
         failure = _watch(engines, workers)
     except KeyboardInterrupt:
