@@ -10,6 +10,17 @@ import torch
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 4, 2, 16
 
 
+def edit_config(path, change) -> str:
+    """``path`` after ``change(config)`` edited its config.json in place."""
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    change(config)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return path
+
+
 def _llama_head_config(vocab_size: int, **extra) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,

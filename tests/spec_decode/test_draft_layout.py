@@ -3,16 +3,13 @@ worker starts, with an error that names the draft, its sizes and the valid sizes
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from runtime import LLM
 from runtime.executor import multiproc
 from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE, build_untokenized_model
 
-from spec_decode.heads import build_eagle3_head
+from spec_decode.heads import build_eagle3_head, edit_config
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +50,8 @@ def test_draft_model_whose_heads_do_not_split_is_refused_before_workers_start(ta
 
 def test_eagle3_head_whose_heads_do_not_split_is_refused_before_workers_start(target, tmp_path, no_workers):
     head = build_eagle3_head(tmp_path / "eagle3", UNTOKENIZED_VOCAB_SIZE, [0, 1, 1], UNTOKENIZED_VOCAB_SIZE // 2)
-    config_file = os.path.join(head, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, intermediate_size=96)
-    with open(config_file, "w") as f:
-        json.dump(config, f)
+    edit_config(head, lambda config: config.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=3,
+                                                   intermediate_size=96))
     with pytest.raises(ValueError, match=rf"eagle3 head '{head}' cannot run under tensor parallelism.*3 attention heads.*"
                                          r"valid: 1, 3"):
         start(target, {"method": "eagle3", "model": head, "num_speculative_tokens": 2})

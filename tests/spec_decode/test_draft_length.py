@@ -7,9 +7,7 @@ out-of-range read of its rotary table on GPUs)."""
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import os
 
 import pytest
 
@@ -18,6 +16,7 @@ from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE, build_untokenized_mod
 from runtime.testing.reference import check_outputs_equal
 
 from spec_decode.engine_runs import generate, repetitive_prompts, spec_counts
+from spec_decode.heads import edit_config
 
 DRAFT_POSITIONS = 48
 
@@ -28,12 +27,7 @@ def short_draft(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft_length")
     target = build_untokenized_model("llama", root / "target")
     draft = build_untokenized_model("llama", root / "draft", seed=1)
-    config_file = os.path.join(draft, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = DRAFT_POSITIONS
-    with open(config_file, "w") as f:
-        json.dump(config, f)
+    edit_config(draft, lambda config: config.update(max_position_embeddings=DRAFT_POSITIONS))
     return target, draft
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from runtime import LLM
 from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE, build_untokenized_model
 
-from spec_decode.heads import HIDDEN, build_eagle1_head, build_eagle3_head, build_medusa_head
+from spec_decode.heads import HIDDEN, build_eagle1_head, build_eagle3_head, build_medusa_head, edit_config
 
 ENGINE = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=16)
 
@@ -40,14 +40,8 @@ def eagle3_reading_layer(path, layer: int) -> str:
 
 def eagle3_listing_two_layers(path) -> str:
     """An EAGLE-3 head whose fc reads three target layers, its config.json naming two."""
-    head = eagle3_reading_layer(path, 1)
-    config_file = os.path.join(head, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1]
-    with open(config_file, "w") as f:
-        json.dump(config, f)
-    return head
+    return edit_config(eagle3_reading_layer(path, 1),
+                       lambda config: config["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 1]))
 
 
 BAD_HEADS = {  # method, builder, the error expected

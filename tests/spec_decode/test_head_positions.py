@@ -9,8 +9,6 @@ The CPU platform is given the reference of the fused op, which indexes the table
 from __future__ import annotations
 
 import gc
-import json
-import os
 
 import pytest
 
@@ -18,7 +16,7 @@ from runtime import LLM, SamplingParams
 from runtime.testing.models import UNTOKENIZED_VOCAB_SIZE, build_untokenized_model
 from runtime.testing.reference import check_outputs_equal
 
-from spec_decode.heads import build_eagle1_head, build_eagle3_head
+from spec_decode.heads import build_eagle1_head, build_eagle3_head, edit_config
 from spec_decode.engine_runs import generate, spec_counts
 
 HEAD_POSITIONS = 16
@@ -39,13 +37,7 @@ def short_head(method, path) -> str:
         head = build_eagle1_head(path, UNTOKENIZED_VOCAB_SIZE)
     else:
         head = build_eagle3_head(path, UNTOKENIZED_VOCAB_SIZE, [0, 1, 1], UNTOKENIZED_VOCAB_SIZE // 2)
-    config_file = os.path.join(head, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = HEAD_POSITIONS
-    with open(config_file, "w") as f:
-        json.dump(config, f)
-    return head
+    return edit_config(head, lambda config: config.update(max_position_embeddings=HEAD_POSITIONS))
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
