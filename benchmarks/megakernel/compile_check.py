@@ -19,9 +19,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("names", nargs="+")
     parser.add_argument("--sass", help="write the disassembly here")
+    parser.add_argument("-D", action="append", default=[], help="NAME=VALUE, a #define before the code (layer_chain.py's DEFINES)")
     args = parser.parse_args()
     lib = ctypes.CDLL(str(ROOT / "lib" / "libnvrtc.so.13"))
-    code = "".join((HERE / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_attention.cu", "flow_chain.cu"))
+    code = "".join(f"#define {d.replace('=', ' ')}\n" for d in args.D) + "".join((HERE / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_attention.cu", "flow_chain.cu"))
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), b"chain.cu", 0, None, None) == 0
     for name in args.names:
@@ -33,7 +34,7 @@ def main():
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, log)
-    print("\n".join(line for line in log.value.decode().splitlines() if "error" in line or "Used" in line or "spill" in line))
+    print("\n".join(line for line in log.value.decode().splitlines() if "error" in line or "Used" in line or "spill" in line or "Function properties" in line))
     if rc != 0:
         raise SystemExit(f"compile failed (nvrtc {rc})")
     if args.sass:

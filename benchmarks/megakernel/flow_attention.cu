@@ -9,6 +9,9 @@
 // float and above it the op's tag. The split holding pos also writes the new k and v into the cache.
 // kind 5, the merge: block h < q_heads merges head h's splits into its 128 outputs, bf16 with the op's 16-bit tag, as
 // the next op's x.
+#ifndef INLINE_ATTENTION
+#define INLINE_ATTENTION __noinline__
+#endif
 namespace flow_chain {
 
 struct Attention {  // aux[j] of both ops: int64 words
@@ -123,62 +126,80 @@ __device__ __noinline__ void attention_split(long long aux, long long x, long lo
     attention_unit(a, unit, x, o, tag, own, stager_warp);
 }
 
-// kind 5 (by the 128 stager threads of block blockIdx.x < q heads): x: the partials, o: the attention output. Lane s
-// of each warp reads split s's max and sum of exps (so a warp holds them all); thread d reads every split's sum d.
-__device__ __noinline__ void attention_merge(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
-                                             int ct) {
+// kind 5 (by the 128 stager threads of the grid's last q-heads blocks: head h on block grid - 1 - h, which kind 6
+// leaves without attention units): x: the partials, o: the attention output. Lane s of each warp reads split s's max
+// and sum of exps (so a warp holds them all); thread d reads every split's sum d, all in one round. Traced (slots): 2,
+// every split's max, sum of exps and sums are in; 3, merged.
+__device__ INLINE_ATTENTION void attention_merge(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
+                                             int ct, unsigned long long* slots) {
   const Attention& a = *reinterpret_cast<const Attention*>(aux);
-  const int head = blockIdx.x, splits = static_cast<int>(a.splits), lane = ct & 31;
+  const int head = gridDim.x - 1 - blockIdx.x, splits = static_cast<int>(a.splits), lane = ct & 31;
   if (head >= a.kv_heads * a.group) return;
   const unsigned long long* parts = reinterpret_cast<const unsigned long long*>(x) + head * splits * kPartial;
-  float split_max = -__int_as_float(0x7f800000), split_exps = 0.0f;
-  if (lane < splits) {
-    unsigned long long mv, lv;
-    do {
-      mv = load_relaxed64(parts + lane * kPartial + kHeadDim), lv = load_relaxed64(parts + lane * kPartial + kHeadDim + 1);
-    } while ((mv >> 32) != tag || (lv >> 32) != tag);
-    split_max = __uint_as_float(static_cast<unsigned int>(mv)), split_exps = __uint_as_float(static_cast<unsigned int>(lv));
-  }
+  // one round: split `lane`'s max and sum of exps, and every split's sum d, polled together until all are in
+  constexpr int kAtOnce = 32;  // (a merge reads up to 32 splits)
+  const int mine = min(lane, splits - 1);  // (lanes past the splits read the last split's, and weigh 0)
+  unsigned long long ml[2], words[kAtOnce];
+  bool ready;
+  do {  // unconditional loads, nothing carried from one poll to the next: all in registers
+    ml[0] = load_relaxed64(parts + mine * kPartial + kHeadDim), ml[1] = load_relaxed64(parts + mine * kPartial + kHeadDim + 1);
+#pragma unroll
+    for (int i = 0; i < kAtOnce; ++i) words[i] = load_relaxed64(parts + min(i, splits - 1) * kPartial + ct);
+    unsigned int stale = static_cast<unsigned int>(ml[0] >> 32) ^ tag | static_cast<unsigned int>(ml[1] >> 32) ^ tag;
+#pragma unroll
+    for (int i = 0; i < kAtOnce; ++i) stale |= static_cast<unsigned int>(words[i] >> 32) ^ tag;
+    ready = __all_sync(0xffffffffu, stale == 0);
+    if (!ready) __nanosleep(20);
+  } while (!ready);
+  const float split_max = lane < splits ? __uint_as_float(static_cast<unsigned int>(ml[0])) : -__int_as_float(0x7f800000);
+  const float split_exps = lane < splits ? __uint_as_float(static_cast<unsigned int>(ml[1])) : 0.0f;
   const float m = warp_max(split_max);
+  if (slots != nullptr) slots[2] = now();
   const float weight = split_exps > 0.0f ? __expf(split_max - m) : 0.0f;  // an empty split (max -inf) weighs 0
   const float l = warp_sum(split_exps * weight);
-  constexpr int kAtOnce = 16;  // splits' sums in flight at once (a merge reads up to 32)
   float acc = 0.0f;
-  for (int s0 = 0; s0 < splits; s0 += kAtOnce) {
-    float sums[kAtOnce];
-    bool ready = false;
-    while (!ready) {  // these splits' sums for this dim, all at once
-      ready = true;
 #pragma unroll
-      for (int i = 0; i < kAtOnce; ++i) {
-        if (s0 + i >= splits) continue;
-        const unsigned long long v = load_relaxed64(parts + (s0 + i) * kPartial + ct);
-        ready = ready && (v >> 32) == tag;
-        sums[i] = __uint_as_float(static_cast<unsigned int>(v));
-      }
-      if (!ready) __nanosleep(20);
-    }
-#pragma unroll
-    for (int i = 0; i < kAtOnce; ++i) {
-      const float w = __shfl_sync(0xffffffffu, weight, (s0 + i) & 31);
-      if (s0 + i < splits) acc += sums[i] * w;
-    }
-  }
+  for (int i = 0; i < kAtOnce; ++i) acc += __uint_as_float(static_cast<unsigned int>(words[i])) * __shfl_sync(0xffffffffu, weight, i);
+  if (slots != nullptr) slots[3] = now();
   unsigned int* out = reinterpret_cast<unsigned int*>(o) + head * kHeadDim + ct;
   const unsigned int word = bf16::round(acc / l).bits | own << 16;
   asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(out), "r"(word) : "memory");
 }
 // kind 6, split-KV attention with lanes over positions (design 10): block b takes KV head b / (splits / 4) and 4 of
-// its splits, a stager warp a split of at most kMaxSpan positions. The 4 warps first put the group's 4 rotated q heads and
-// the new k and v (rounded to bf16) into shared memory. Then each lane of a warp reads its position's whole k row (16
-// vectors in flight) while the warp also asks for its positions' v (lane l: dims 4l..4l+3), so a split's loads go out
-// in one round; the lane computes its position's 4 logits against q, the warp its 4 softmaxes, and each lane the 4
-// heads' sums over its 4 dims, the weights passed along by shuffles. Partials as kind 4 writes them.
-constexpr int kMaxSpan = 24;  // positions a split (at most)
-__device__ __noinline__ void attention_lanes(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
-                                             int stager_warp, Shared& sh) {
+// its splits, a stager warp a split of at most kMaxSpan (16) positions. Lanes 2p and 2p + 1 hold position p0 + p's k
+// row, a half each (dims 0-63, 64-127), and lane l its positions' v dims 4l..4l+3: 64 registers, no spills. The cache
+// does not wait for qkv, so these loads go out first, and arrive while the warps poll for q (session 37). The 4 warps
+// put the group's 4 rotated q heads and the new k and v (rounded to bf16) into shared memory; a lane pair computes its
+// position's 4 logits against q, the warp its 4 softmaxes, and each lane the 4 heads' sums over its 4 dims, the
+// weights passed along by shuffles. Partials as kind 4 writes them. Traced (slots): 2, q is in shared memory; 3, the
+// softmaxes are done.
+// Kind 6's cache rows into L2, asked for by the same stager warps one op ahead (at the start of qkv): under the
+// weights' streaming a load from memory waits ~10 µs, an L2 hit far less. Lane l: lines of positions p0 + l / 4 ..
+// (k's two 128-byte lines of the head's row, then v's).
+__device__ __forceinline__ void prefetch_kv(long long aux, int stager_warp) {
   const Attention& a = *reinterpret_cast<const Attention*>(aux);
-  const int lane = threadIdx.x & 31, splits = static_cast<int>(a.splits);
+  const int lane = threadIdx.x & 31, splits = static_cast<int>(a.splits), kv_heads = static_cast<int>(a.kv_heads);
+  const int blocks_a_head = splits / 4, len = static_cast<int>(a.pos) + 1, span = (len + splits - 1) / splits;
+  for (int b = blockIdx.x; b < kv_heads * blocks_a_head; b += gridDim.x) {
+    const int h = b / blocks_a_head, s = (b % blocks_a_head) * 4 + stager_warp;
+    const int p0 = min(s * span, len), p1 = min(p0 + span, len);
+    for (int i = lane; i < 4 * (p1 - p0); i += 32) {
+      const int at = p0 + i / 4, line = i % 4;
+      const char* row = reinterpret_cast<const char*>(line < 2 ? a.k_cache : a.v_cache) +
+                        ((static_cast<long long>(at) * kv_heads + h) * kHeadDim) * 2 + (line % 2) * 128;
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(row));
+    }
+  }
+}
+#ifndef MAX_SPAN
+#define MAX_SPAN 16
+#endif
+constexpr int kMaxSpan = MAX_SPAN;  // positions a split (at most, <= 16: a lane pair each)
+__device__ INLINE_ATTENTION void attention_lanes(long long aux, long long x, long long o, unsigned int tag, unsigned int own,
+                                             int stager_warp, Shared& sh, unsigned long long* slots) {
+  static_assert(kMaxSpan <= 16, "a lane pair a position");
+  const Attention& a = *reinterpret_cast<const Attention*>(aux);
+  const int lane = threadIdx.x & 31, splits = static_cast<int>(a.splits), half = lane & 1;
   const int kv_heads = static_cast<int>(a.kv_heads), group = static_cast<int>(a.group), pos = static_cast<int>(a.pos);
   const int blocks_a_head = splits / 4, len = pos + 1, span = (len + splits - 1) / splits;
   const unsigned int* qkv = reinterpret_cast<const unsigned int*>(x);
@@ -187,7 +208,26 @@ __device__ __noinline__ void attention_lanes(long long aux, long long x, long lo
   const int q_size = kv_heads * group * kHeadDim, kv_size = kv_heads * kHeadDim;
   for (int b = blockIdx.x; b < kv_heads * blocks_a_head; b += gridDim.x) {
     const int h = b / blocks_a_head, s = (b % blocks_a_head) * 4 + stager_warp;
-    {  // warp w: q head 4h + w, and warp 0 also the new k and v, rotated and rounded, into shared memory
+    const int p0 = min(s * span, len), p1 = min(p0 + span, len);
+    const int at = p0 + (lane >> 1);
+    const bool mine = at < p1, cached = mine && at != pos;
+    constexpr int kHalf = kHeadDim / 2 / 8;  // 16-byte vectors in half a row
+    uint4 khalf[kHalf];
+    if (cached) {
+      const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const bf16*>(a.k_cache) +
+                                                        (static_cast<long long>(at) * kv_heads + h) * kHeadDim) + half * kHalf;
+#pragma unroll
+      for (int i = 0; i < kHalf; ++i) khalf[i] = __ldg(src + i);
+    }
+    uint2 vals[kMaxSpan];
+#pragma unroll
+    for (int p = 0; p < kMaxSpan; ++p) {
+      const int vat = p0 + p;
+      if (vat < p1 && vat != pos)
+        vals[p] = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const bf16*>(a.v_cache) +
+                                                       (static_cast<long long>(vat) * kv_heads + h) * kHeadDim) + lane);
+    }
+    {  // warp w: q head 4h + w, and warps 0 and 1 the new k and v, rotated and rounded, into shared memory
       float v4[4];
       load_tagged4(qkv + (h * group + stager_warp) * kHeadDim + 4 * lane, tag, v4);
       rotary(v4, cos, sin, lane);
@@ -206,45 +246,31 @@ __device__ __noinline__ void attention_lanes(long long aux, long long x, long lo
       }
     }
     asm volatile("bar.sync 4, 128;" ::: "memory");
-    const int p0 = min(s * span, len), p1 = min(p0 + span, len);
+    if (slots != nullptr) slots[2] = now();
     if (p1 == len && p0 < p1) {  // the split holding pos writes the new k and v into the cache
-      const long long at = (static_cast<long long>(pos) * kv_heads + h) * kHeadDim + 4 * lane;
+      const long long at_new = (static_cast<long long>(pos) * kv_heads + h) * kHeadDim + 4 * lane;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        reinterpret_cast<bf16*>(a.k_cache)[at + i] = bf16{sh.attention.k[4 * lane + i]};
-        reinterpret_cast<bf16*>(a.v_cache)[at + i] = bf16{sh.attention.v[4 * lane + i]};
+        reinterpret_cast<bf16*>(a.k_cache)[at_new + i] = bf16{sh.attention.k[4 * lane + i]};
+        reinterpret_cast<bf16*>(a.v_cache)[at_new + i] = bf16{sh.attention.v[4 * lane + i]};
       }
     }
-    // lane p: position p0 + p's k row; every lane: dims 4 lane.. of each position's v
-    const int at = p0 + lane;
-    const bool mine = at < p1;
-    uint4 krow[kHeadDim / 8];
-    if (mine && at != pos) {
-      const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const bf16*>(a.k_cache) +
-                                                        (static_cast<long long>(at) * kv_heads + h) * kHeadDim);
+    if (!cached) {
 #pragma unroll
-      for (int i = 0; i < kHeadDim / 8; ++i) krow[i] = __ldg(src + i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kHeadDim / 8; ++i) krow[i] = reinterpret_cast<const uint4*>(sh.attention.k)[i];
+      for (int i = 0; i < kHalf; ++i) khalf[i] = reinterpret_cast<const uint4*>(sh.attention.k)[half * kHalf + i];
     }
-    uint2 vals[kMaxSpan];
 #pragma unroll
     for (int p = 0; p < kMaxSpan; ++p) {
       const int vat = p0 + p;
-      if (vat < p1 && vat != pos)
-        vals[p] = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const bf16*>(a.v_cache) +
-                                                       (static_cast<long long>(vat) * kv_heads + h) * kHeadDim) + lane);
-      else
-        vals[p] = reinterpret_cast<const uint2*>(sh.attention.v)[lane];
+      if (!(vat < p1 && vat != pos)) vals[p] = reinterpret_cast<const uint2*>(sh.attention.v)[lane];
     }
     float logit[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int i = 0; i < kHeadDim / 8; ++i) {
-      const unsigned int kw[4] = {krow[i].x, krow[i].y, krow[i].z, krow[i].w};
+    for (int i = 0; i < kHalf; ++i) {
+      const unsigned int kw[4] = {khalf[i].x, khalf[i].y, khalf[i].z, khalf[i].w};
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
-        const uint4 qv = reinterpret_cast<const uint4*>(sh.attention.q[g])[i];
+        const uint4 qv = reinterpret_cast<const uint4*>(sh.attention.q[g])[half * kHalf + i];
         const unsigned int qw[4] = {qv.x, qv.y, qv.z, qv.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e)
@@ -256,11 +282,13 @@ __device__ __noinline__ void attention_lanes(long long aux, long long x, long lo
     float m[4], l[4], w[4];
 #pragma unroll
     for (int g = 0; g < 4; ++g) {
-      const float z = mine ? logit[g] * scale : -__int_as_float(0x7f800000);
+      const float dot = logit[g] + __shfl_xor_sync(0xffffffffu, logit[g], 1);  // the pair's two halves
+      const float z = mine ? dot * scale : -__int_as_float(0x7f800000);
       m[g] = warp_max(z);
       w[g] = mine ? __expf(z - m[g]) : 0.0f;
-      l[g] = warp_sum(w[g]);
+      l[g] = warp_sum(half == 0 ? w[g] : 0.0f);
     }
+    if (slots != nullptr) slots[3] = now();
     float acc[4][4] = {};
 #pragma unroll
     for (int p = 0; p < kMaxSpan; ++p) {
@@ -268,7 +296,7 @@ __device__ __noinline__ void attention_lanes(long long aux, long long x, long lo
                           __uint_as_float(vals[p].y << 16), __uint_as_float(vals[p].y & 0xFFFF0000u)};
 #pragma unroll
       for (int g = 0; g < 4; ++g) {
-        const float wp = __shfl_sync(0xffffffffu, w[g], p);  // 0 past the split's end
+        const float wp = __shfl_sync(0xffffffffu, w[g], 2 * p);  // 0 past the split's end
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[g][i] += wp * v[i];
       }

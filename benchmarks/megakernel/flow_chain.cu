@@ -17,6 +17,12 @@
 // large group lets the op start on its x's first chunk while the previous op finishes the rows of the next chunks; a
 // group of 1 finishes the op's rows early, chunk by chunk, for the next op. The super-tiles are dealt round-robin over
 // the ops' concatenation (as in design 5).
+#ifndef PREFETCH_KV  // kind 6's cache rows into L2 an op ahead
+#define PREFETCH_KV 1
+#endif
+#ifndef CONSUMER_SLEEP
+#define CONSUMER_SLEEP 64
+#endif
 namespace flow_chain {
 // The releaser warp (counters): stores each finished super-tile's rows, then counts them in their chunk.
 __device__ __forceinline__ void release_rows(const Walk& walk, const Ops& ops, Shared& sh) {
@@ -58,12 +64,18 @@ __device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
   float sum_sq = 0.0f;  // stager 0: a norm's sum of squares over the chunks so far
   for (int j = 0; j < ops.num_ops; ++j) {
     const int buf = j & 1;
+    if (ct == 0) trace(ops, j, 0);
+    if (TAGGED && PREFETCH_KV && j + 1 < ops.num_ops && ops.kind(j + 1) == 6) prefetch_kv(ops.aux[j + 1], ct / 32);
     if constexpr (TAGGED) {
       const int kind = ops.kind(j);
       if (kind == 4) attention_split(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct / 32);
-      if (kind == 5) attention_merge(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct);
-      if (kind == 6) attention_lanes(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct / 32, sh);
-      if (kind >= 4) continue;
+      unsigned long long* slots = ct == 0 ? trace_slots(ops, j) : nullptr;
+      if (kind == 5) attention_merge(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct, slots);
+      if (kind == 6) attention_lanes(ops.aux[j], ops.x[j], ops.o[j], ops.tag_of(j - 1), ops.tag_of(j), ct / 32, sh, slots);
+      if (kind >= 4) {
+        if (ct == 0) trace(ops, j, 1);
+        continue;
+      }
     }
     if (j >= 2 && ct == 0) {  // the buffer held op j - 2's x: every consumer warp must be through with it
       for (int i = 0; i < kWarps; ++i)
@@ -157,6 +169,7 @@ __device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
       asm volatile("bar.sync 4, %0;" ::"n"(kStagers) : "memory");
       if (ct == 0) store_release_cta(&sh.staged[buf][c], j);
     }
+    if (ct == 0) trace(ops, j, 1);
   }
   if (ops.waits != nullptr && ct == 0) ops.waits[2 * blockIdx.x + 1] = waited;
 }
@@ -195,21 +208,25 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
   Unit cur;
   bool have = walk.first(cur);
   int slot = 0, at_op = 0;
+  bool first_of_op = false;  // (the timeline's)
   unsigned int q = 0;  // super-tiles finished
   unsigned long long waited = 0, res_ahead = 0;
   while (have) {
     issue_next(slot == 0 ? STAGES - 1 : slot - 1);
     if (cur.j != at_op) {  // through with every op before cur.j: its x buffer may be restaged
-      at_op = cur.j;
+      at_op = cur.j, first_of_op = true;
       if (lane == 0) sh.progress[warp] = at_op;  // no fence: its reads of that buffer fed mmas issued before this
     }
     const int buf = cur.j & 1;
     if (load_acquire_cta(&sh.staged[buf][cur.c]) != cur.j) {
       const unsigned long long t0 = ops.waits != nullptr ? now() : 0;
-      while (load_acquire_cta(&sh.staged[buf][cur.c]) != cur.j) {
-      }
+      // the stagers share the SM: past a few polls, 8 warps spinning on shared memory slow them (attention's waits)
+      for (int polls = 0; load_acquire_cta(&sh.staged[buf][cur.c]) != cur.j; ++polls)
+        if (CONSUMER_SLEEP > 0 && polls > 4) __nanosleep(CONSUMER_SLEEP);
       if (ops.waits != nullptr) waited += now() - t0;
     }
+    if (warp == 0 && lane == 0 && first_of_op) trace(ops, cur.j, 2);
+    first_of_op = false;
     wait_groups<STAGES - 1>();
     const uint4* mine = slots + slot * kShare;
     const uint4* xs = xq + (buf * kMaxChunks + cur.c) * kChunkVectors;
@@ -280,6 +297,7 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
         }
       }
     }
+    if (warp == 0 && lane == 0 && last) trace(ops, cur.j, 3);
     q += last;
     if (++slot == STAGES) slot = 0;
     have = walk.next(cur);
@@ -311,10 +329,10 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
   if (threadIdx.x < 2 * kMaxChunks) sh.staged[threadIdx.x / kMaxChunks][threadIdx.x % kMaxChunks] = -1;
   if (threadIdx.x < kWarps) sh.progress[threadIdx.x] = 0;
   for (int i = threadIdx.x; i < kTiles * kWarps; i += blockDim.x) sh.tiles[i / kWarps][i % kWarps] = 0;
-  if (TAGGED && threadIdx.x == 0) sh.epoch = __ldcg(counters);
+  if (TAGGED && threadIdx.x == 0) sh.epoch = __ldcg(counters), sh.trace_j0 = waits != nullptr ? static_cast<int>(__ldcg(counters + 2)) - 1 : -1;
   __syncthreads();
   const Walk walk{n, k, meta, num_ops};
-  const Ops ops{w, s, x, o, n, k, meta, aux, res, num_ops, counters, waits, TAGGED ? sh.epoch : 0u};
+  const Ops ops{w, s, x, o, n, k, meta, aux, res, num_ops, counters, waits, TAGGED ? sh.epoch : 0u, TAGGED ? sh.trace_j0 : -1};
   const int warp = threadIdx.x >> 5;
   if (warp < kWarps)
     consume<STAGES, ACC, MODE, TAGGED>(walk, ops, sh, ring, xq);

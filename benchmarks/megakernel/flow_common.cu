@@ -115,6 +115,7 @@ struct Shared {
   float chunk_sq[kControl / 32];  // a norm's sums of squares, a stager warp's share of a chunk
   float rnorm[2];                 // a norm's 1 / rms, an x buffer's (written with its last chunk)
   unsigned int epoch;
+  int trace_j0;
 };
 // An op's input and output (TAGGED only; kind 0 and no residual otherwise), in meta[j] = group | kind << 8 |
 // (how many ops back its residual was written, 0: 2) << 16:
@@ -136,6 +137,7 @@ struct Ops {
   unsigned int* counters;
   unsigned long long* waits;
   unsigned int epoch;
+  int trace_j0;  // TAGGED with waits: the first of kTraceOps ops whose times the blocks record (-1: none)
   __device__ __forceinline__ unsigned int tag_of(int j) const {  // of op j's output (TAGGED; > 0xFFFF: none to check)
     return j < 0 ? 0x10000u : (epoch * static_cast<unsigned int>(num_ops) + j + 1) & 0xFFFFu;
   }
@@ -188,6 +190,20 @@ __device__ __forceinline__ void load_x(const long long base, const long long bas
       for (int q = 0; q < 4; ++q) f[u][2 * q] = __uint_as_float(words[q] << 16), f[u][2 * q + 1] = __uint_as_float(words[q] & 0xFFFF0000u);
     }
   }
+}
+
+// The timeline (WAITS with TRACE): after waits' [blocks][2], [blocks][kTraceOps][4] globaltimer ns of op trace_j0 + d:
+// 0: the stagers start on it, 1: they are through with it, 2: consumer warp 0's first unit of it has its x,
+// 3: that warp's last unit of it stored its rows.
+constexpr int kTraceOps = 8;
+// Ops without rows (attention, the merge) record their own steps in 2 and 3 (flow_attention.cu says which).
+__device__ __forceinline__ unsigned long long* trace_slots(const Ops& ops, int j) {  // op j's 4, or null
+  const int d = j - ops.trace_j0;
+  if (ops.waits == nullptr || ops.trace_j0 < 0 || d < 0 || d >= kTraceOps) return nullptr;
+  return ops.waits + 2 * gridDim.x + (blockIdx.x * kTraceOps + d) * 4;
+}
+__device__ __forceinline__ void trace(const Ops& ops, int j, int event) {
+  if (unsigned long long* slots = trace_slots(ops, j)) slots[event] = now();
 }
 
 }  // namespace flow_chain

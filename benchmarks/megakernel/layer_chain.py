@@ -13,10 +13,12 @@ in all), bf16 activations, as a Llama layer rounds them:
         replays) and the max rel diff of the last h against torch in a model's rounding order. FLAGS: i: gate/up's rows
         interleaved by 2,048 (gate, up, gate, ...), which down's staging reads as such; a: attention (8 KV heads, 32
         q heads, the KV cache's positions 0..POS - 1 random; POS=383, SPLITS=16 by default); A: attention with lanes
-        over positions (design 10; SPLITS a multiple of 4, up to 32, each of at most 24 positions). G: the super-tiles
+        over positions (design 10; SPLITS a multiple of 4, up to 32, each of at most MAX_SPAN (16) positions). G: the super-tiles
         a group for qkv, o, gate_up and down.
     CHECK=1 ...   one layer, each op against torch from the kernel's own inputs
-    WAITS=1 ...   also where the blocks wait (µs a step)"""
+    WAITS=1 ...   also where the blocks wait (µs a step)
+    WAITS=1 TRACE=L ...   also layer L's timeline: when the blocks' stagers start and finish each op, and when consumer
+        warp 0 of each block has its first unit's x and stores its last rows (min / median / max over the blocks)"""
 import ctypes
 import math
 import os
@@ -74,6 +76,29 @@ def attention(qkv, k_cache, v_cache, pos, cos, sin):
     return torch.cat(out).bfloat16(), k, v
 
 
+TRACE_OPS = 8  # flow_common.cu's kTraceOps
+
+
+def table_ops_a_layer(flags):
+    return 6 if "a" in flags or "A" in flags else 4
+
+
+def print_timeline(t, ops_a_layer):
+    """t: [blocks][TRACE_OPS][4] globaltimer ns (0: not recorded)."""
+    names = (["qkv", "attention", "merge", "o", "gate_up", "down"] if ops_a_layer == 6 else ["qkv", "o", "gate_up", "down"])
+    names += ["next qkv", "next +1", "next +2", "next +3"]
+    t = t.double()
+    t0 = t[:, 0, 0][t[:, 0, 0] > 0].min()
+    print("| op | stagers start | stagers done | consumers' first x | consumers' last rows |  (µs from the first start: min / median / max)")
+    for d in range(min(TRACE_OPS, ops_a_layer + 2)):
+        cells = []
+        for e in range(4):
+            v = t[:, d, e]
+            v = (v[v > 0] - t0) / 1e3
+            cells.append(f"{v.min():.1f} / {v.median():.1f} / {v.max():.1f}" if v.numel() else "-")
+        print(f"| {names[d]} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main():
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
@@ -81,8 +106,8 @@ def main():
     layers = 1 if check else LAYERS
     pos, splits = int(os.environ.get("POS", 383)), int(os.environ.get("SPLITS", 16))
     assert 1 <= splits <= 32 and pos < 1024, "the merge reads at most 32 splits (flow_attention.cu); the cache holds 1,024"
-    assert all("A" not in a.split(":")[0] for a in sys.argv[1:]) or (splits % 4 == 0 and -(-(pos + 1) // splits) <= 24), (
-        "design 10 takes splits in fours, each of at most 24 positions (flow_attention.cu's kMaxSpan)")
+    assert all("A" not in a.split(":")[0] for a in sys.argv[1:]) or (splits % 4 == 0 and -(-(pos + 1) // splits) <= int(os.environ.get('MAX_SPAN', 16))), (
+        "design 10 takes splits in fours, each of at most 16 positions (flow_attention.cu's kMaxSpan)")
     W, S = fp8_weights(dev, layers, [(name, n, k) for name, (n, k) in SH.items()])
     G = {name: (1 + 0.1 * torch.randn(layers, 4096, device=dev)).bfloat16() for name in ("qkv", "gate_up")}
     K = torch.randn(layers, 1024, KV_HEADS, HEAD, device=dev).bfloat16()
@@ -134,17 +159,21 @@ def main():
         return (t32 & 0xFFFF).to(torch.int16).view(torch.bfloat16)
 
     sms = cuda_launch.num_sms(0)
-    epoch = torch.zeros(2, dtype=torch.int32, device=dev)
-    waits = torch.zeros(sms * 2, dtype=torch.int64, device=dev)
+    epoch = torch.zeros(4, dtype=torch.int32, device=dev)  # the epoch, the blocks through, the traced op + 1
+    waits = torch.zeros(sms * 2 + sms * TRACE_OPS * 4, dtype=torch.int64, device=dev)
     tracing = bool(os.environ.get("WAITS"))
+    traced_layer = int(os.environ.get("TRACE", -1))
     picked = []
+    table_flags = {}
     for a in sys.argv[1:] or ["5/2/ia:4,1,8,1"]:
         spec, grp = a.split(":")
         stages, acc, flags = (spec.split("/") + ["2", ""])[:3]
         picked.append((f"flow_chain::chain<{stages}, {acc}, 0, true>", int(stages), build(flags, [int(g) for g in grp.split(",")]),
                        spec + ":" + grp))
+        table_flags[id(picked[-1][2])] = flags
     here = Path(__file__).parent
-    code = "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_attention.cu", "flow_chain.cu"))
+    defines = "".join(f"#define {d.replace('=', ' ')}\n" for d in os.environ.get("DEFINES", "").split(";") if d)
+    code = defines + "".join((here / name).read_text() for name in ("ring_chain.cu", "flow_common.cu", "flow_attention.cu", "flow_chain.cu"))
     kernels = cuda_launch.compile_kernels(code, sorted({p[0] for p in picked}), 0)
     assert kernels is not None, "compile failed (see log)"
     set_attr = cuda_launch._driver_function("cuFuncSetAttribute", (ctypes.c_void_p, ctypes.c_int, ctypes.c_int))
@@ -154,6 +183,7 @@ def main():
 
     def step(name, stages, table):
         buf["hA"].copy_(h0_32)
+        epoch[2:3].fill_(traced_layer * table_ops_a_layer(table_flags[id(table)]) + 1 if traced_layer >= 0 else 0)
         args = tuple(t.data_ptr() for t in table) + (np.int32(table[0].numel()), epoch.data_ptr(),
                                                      waits.data_ptr() if tracing else 0)
         cuda_launch.launch(kernels[name], (sms,), THREADS, args, smem[stages], dev)
@@ -206,7 +236,9 @@ def main():
         design = 10 if "A" in flags else 9 if "a" in flags else 8
         print(f"| design {design} ({name}, {spec}) | {ms:.3f} ({7.0 / ms:.2f} TB/s) | {err:.1e} |", flush=True)
         if tracing:
-            print_waits(waits, sms)
+            print_waits(waits[:sms * 2], sms)
+        if traced_layer >= 0:
+            print_timeline(waits[sms * 2:].view(sms, TRACE_OPS, 4), table_ops_a_layer(flags))
 
 
 if __name__ == "__main__":
