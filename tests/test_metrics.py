@@ -50,7 +50,8 @@ def test_every_engine_metric_has_its_vllm_twin_with_the_same_value():
     for (name, labels), value in values.items():
         if name.startswith("vllm:"):
             twin = "runtime:" + name.removeprefix("vllm:").replace("gpu_cache_usage_perc", "kv_cache_usage_perc")
-            assert values[(twin, labels)] == value, name
+            assert dict(labels)["engine"] == "0", name  # vLLM labels its series by engine core; here there is one
+            assert values[(twin, tuple(label for label in labels if label[0] != "engine"))] == value, name
     assert all(dict(labels)["model_name"] == "m" for name, labels in values if name.startswith("vllm:"))
     # runtime's own: no vLLM twin
     assert not any(n.startswith(("vllm:http", "vllm:request_errors", "vllm:prefix_cache_hit_rate")) for n in names)
@@ -61,13 +62,14 @@ def test_inter_token_latency_counts_every_gap_after_the_first_token():
     run_two_requests(metrics)
     values = samples(metrics)
     model = (("model_name", "m"),)
+    engine = (("engine", "0"), *model)  # vLLM's names are labelled by engine core too
     # a: 5 tokens -> 4 gaps: 0 (came with the first), 0.5, 0.5 + 0.5 (two tokens over 1 s); b: 1 token, no gap
-    assert values[("vllm:inter_token_latency_seconds_count", model)] == 4
-    assert values[("vllm:inter_token_latency_seconds_sum", model)] == pytest.approx(1.5)
+    assert values[("vllm:inter_token_latency_seconds_count", engine)] == 4
+    assert values[("vllm:inter_token_latency_seconds_sum", engine)] == pytest.approx(1.5)
     assert values[("runtime:time_per_output_token_seconds_sum", model)] == pytest.approx(1.5 / 4)
-    assert values[("vllm:request_prompt_tokens_sum", model)] == 8
-    assert values[("vllm:request_generation_tokens_sum", model)] == 5 + 1
-    assert values[("vllm:request_success_total", (("finished_reason", "length"), *model))] == 1
+    assert values[("vllm:request_prompt_tokens_sum", engine)] == 8
+    assert values[("vllm:request_generation_tokens_sum", engine)] == 5 + 1
+    assert values[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "length"), *model))] == 1
 
 
 def test_stat_logger_line_covers_the_interval_and_stays_quiet_when_idle(caplog):

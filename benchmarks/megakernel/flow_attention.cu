@@ -10,7 +10,7 @@
 // kind 5, the merge: block h < q_heads merges head h's splits into its 128 outputs, bf16 with the op's 16-bit tag, as
 // the next op's x.
 #ifndef INLINE_ATTENTION
-#define INLINE_ATTENTION __noinline__
+#define INLINE_ATTENTION __forceinline__  // (__noinline__: 2.79 against 2.71 ms, session 37)
 #endif
 namespace flow_chain {
 

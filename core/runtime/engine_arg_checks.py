@@ -41,6 +41,20 @@ def check_numbers(args) -> None:
             raise ValueError(f"{f.name} {value!r} is not valid; choose one of: {', '.join(choices)}")
 
 
+GENERATION_TASKS = ("auto", "generate")
+
+
+def check_task(args) -> None:
+    """vLLM's task and runner must mean text generation; ValueError naming the bad one and the supported ones."""
+    for name in ("task", "runner"):
+        value = getattr(args, name)
+        if value not in GENERATION_TASKS:
+            raise ValueError(
+                f"{name} {value!r} is not supported: this engine runs generative models only (no pooling, embedding, "
+                f"classification, scoring or reward runners); supported: {', '.join(GENERATION_TASKS)}"
+            )
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 

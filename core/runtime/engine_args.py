@@ -26,15 +26,18 @@ from runtime.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    parse_dtype,
 )
 from runtime.speculative_config import proposer_max_model_len, resolve_speculative_config
 from runtime.kv_transfer import (
     OFFLOADING_CONNECTOR, PREEMPTION_MODES, kv_offload_fields, parse_transfer_config, resolve_kv_offload,
 )
 from runtime.engine_arg_checks import check_numbers as _check_numbers
+from runtime.engine_arg_checks import check_task as _check_task
 from runtime.engine_arg_checks import invalid as _fail
 from runtime.engine_arg_checks import override_generation_defaults as _override_defaults
+from runtime.engine_arg_values import eos_token_ids as _eos_token_ids
+from runtime.engine_arg_values import graph_sizes, resolve_dtype  # noqa: F401 (imported from here too)
+from runtime.engine_arg_values import model_max_len as _model_max_len
 from runtime.model_loader.tokenizer import TOKENIZER_MODES
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,15 @@ class EngineArgs:
     """Every engine argument, with vLLM's names; CLI flags are generated from these."""
 
     model: str = _arg("", "local Hugging Face folder or .gguf file")
+    task: str = _arg("auto", "vLLM's task: auto or generate (text generation, the only task here)")
+    runner: str = _arg("auto", "vLLM's runner: auto or generate (no pooling runner here)")
+    revision: str | None = _arg(
+        None, "the model's hub revision (branch, tag or commit). Models are local paths (no hub downloads): a Hugging "
+        "Face cache snapshot (.../models--ORG--NAME/snapshots/COMMIT) must be that revision; another folder records "
+        "none and is used as it is, with a warning",
+    )
+    code_revision: str | None = _arg(None, "revision of the model folder's own code (trust_remote_code), checked as revision")
+    tokenizer_revision: str | None = _arg(None, "the tokenizer's revision, checked as revision on the tokenizer path")
     tokenizer: str | None = _arg(None, "tokenizer folder (default: the model's)")
     tokenizer_mode: str = _arg(
         "auto", "auto / hf: the fast tokenizer when there is one; slow: transformers' Python tokenizer",
@@ -111,6 +123,9 @@ class EngineArgs:
     attention_backend: str | None = _arg(None, "attention backend (default: the platform's)", kind="attention_backend")
     cpu_num_threads: int | None = _arg(None, "torch threads on the CPU platform")
     enforce_eager: bool = _arg(False, "always run the model eagerly (no CUDA graphs)")
+    enable_sleep_mode: bool = _arg(
+        False, "allow sleep() / wake_up(): free the weights' and the KV cache's device memory while idle (vLLM's)"
+    )
     cuda_graph_sizes: list[int] | None = _arg(
         None, "decode batch sizes to capture as CUDA graphs (default: 1 2 4 8 16 ... up to max_num_seqs, at most 512)"
     )
@@ -198,42 +213,6 @@ def _check_plugin_choices(args: EngineArgs) -> None:
                 raise ValueError(f"--{f.name.replace('_', '-')}: " + registry.unknown_message(value))
 
 
-def _eos_token_ids(resolved) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (getattr(resolved, "generation_config", None), resolved.hf_config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is None:
-            continue
-        for token in eos if isinstance(eos, (list, tuple)) else [eos]:
-            if token not in ids:
-                ids.append(int(token))
-    return tuple(ids)
-
-
-def _model_max_len(hf_config) -> int:
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
-        value = getattr(hf_config, name, None)
-        if value:
-            return int(value)
-    return 2048
-
-
-MAX_DEFAULT_GRAPH_SIZE = 512
-
-
-def graph_sizes(args: EngineArgs) -> tuple[int, ...]:
-    """Decode batch sizes to capture: the user's list, or 1, 2, 4, every multiple of 8 and max_num_seqs (<= 512)."""
-    if args.enforce_eager:
-        return ()
-    if args.cuda_graph_sizes is not None:
-        bad = [s for s in args.cuda_graph_sizes if not isinstance(s, int) or s < 1]
-        if bad or not args.cuda_graph_sizes:
-            raise _fail("cuda_graph_sizes", args.cuda_graph_sizes, "a non-empty list of positive integers")
-        return tuple(sorted(set(s for s in args.cuda_graph_sizes if s <= args.max_num_seqs)))
-    limit = min(args.max_num_seqs, MAX_DEFAULT_GRAPH_SIZE)
-    return tuple(sorted({s for s in (1, 2, 4, *range(8, limit + 1, 8)) if s <= limit} | {limit}))
-
-
 def served_model_names(args: EngineArgs) -> tuple[str, ...]:
     """The API names of the model: the given one(s), else the model path's last part."""
     given = args.served_model_name
@@ -243,30 +222,11 @@ def served_model_names(args: EngineArgs) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names)) or (os.path.basename(os.path.normpath(args.model)),)
 
 
-def resolve_dtype(value: str, resolved, platform) -> torch.dtype:
-    """``--dtype`` as a torch dtype. ``auto`` is the platform's choice for the checkpoint's dtype:
-    its config's, else its safetensors weights' (as vLLM reads them), else none (a GGUF file's
-    blocks, a folder without weights)."""
-    if value != "auto":
-        return parse_dtype(value, None)
-    hf_config = resolved.hf_config
-    # transformers 5 names it ``dtype`` (reading ``torch_dtype`` there warns); 4.x ``torch_dtype``.
-    config_dtype = getattr(hf_config, "dtype" if hasattr(hf_config, "dtype") else "torch_dtype", None)
-    if isinstance(config_dtype, str):
-        config_dtype = getattr(torch, config_dtype, None)
-    if not isinstance(config_dtype, torch.dtype):
-        config_dtype = None
-    if config_dtype is None and not resolved.gguf_file:
-        from runtime.model_loader.safetensors_weights import safetensors_float_dtype
-
-        config_dtype = safetensors_float_dtype(resolved.path)
-    return platform.default_dtype(config_dtype)
-
-
 def build_model_config(args: EngineArgs, platform) -> ModelConfig:
     from runtime.model_loader import resolve_model
     from runtime.model_loader.generation_defaults import default_sampling_params
     from runtime.model_loader.tokenizer import load_chat_template
+    from runtime.model_revision import check_revisions
     from runtime.quantization import GGUF_DEQUANTIZE_ENV, build_quant_config, default_gguf_method, select_quant_method
 
     if not args.model:
@@ -276,6 +236,7 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
         tokenizer_mode=args.tokenizer_mode,
         chat_template=load_chat_template(args.chat_template) if args.chat_template is not None else None,
     )
+    check_revisions(args, resolved)
     dtype = resolve_dtype(args.dtype, resolved, platform)
     if dtype not in platform.supported_dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in platform.supported_dtypes)
@@ -341,6 +302,7 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
         name = next((n for n, d in _DTYPES.items() if d == args.dtype), None)
         args = dataclasses.replace(args, dtype=name or str(args.dtype).removeprefix("torch."))
     _check_numbers(args)
+    _check_task(args)
     args.quantization = canonical_quant_method(args.quantization)
     _check_plugin_choices(args)
     speculative_config = resolve_speculative_config(args)
@@ -389,5 +351,6 @@ def build_engine_config(args: EngineArgs) -> EngineConfig:
             "guided_decoding_backend": default_guided_backend(args.guided_decoding_backend),
             "structured_output_compile_timeout": args.structured_output_compile_timeout,
             "structured_output_compile_memory_bytes": args.structured_output_compile_memory_bytes,
+            "enable_sleep_mode": args.enable_sleep_mode,
         },
     )

@@ -64,6 +64,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Set on the last output by a KV connector (prefill/decode): what the client passes on, e.g.
     # the blocks a remote decode instance pulls.
     kv_transfer_params: dict | None = None
+    # On the output with the request's first token (0 elsewhere), for /metrics: when the engine core
+    # queued the request and when it first scheduled it (a preemption does not move it), time.time().
+    queued_time: float = 0.0
+    scheduled_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -83,8 +87,8 @@ class NewTokens(msgspec.Struct, array_like=True):
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
-    timestamp: float = 0.0
-    # Stats for /metrics: running, waiting, kv usage, prefix hits/queries.
+    timestamp: float = 0.0  # time.time() when the engine core sent them (0: in-process, the receiver's clock)
+    # Stats for /metrics: running, waiting, kv usage, prefix hits/queries; after a step, its num_step_tokens.
     scheduler_stats: dict | None = None
     error: str | None = None
     # Requests the core ended after they were added: request id -> why. Front ends raise ValueError

@@ -1,52 +1,40 @@
 """Prometheus metrics of the serving front end, under ``runtime:`` names and vLLM's ``vllm:`` names.
 
-``EngineMetrics`` owns a private CollectorRegistry. The AsyncLLM feeds it every
-EngineCoreOutputs it receives (per-request timings are measured from the
-arrival of the request to each batch of new tokens) and every abort; the HTTP
-layer counts responses by status. ``render()`` gives the /metrics text.
+``EngineMetrics`` owns a private CollectorRegistry. The AsyncLLM feeds it every request it adds or
+ends in the front end and every EngineCoreOutputs it receives; the HTTP layer counts responses by
+status. ``render()`` gives the /metrics text.
 
-Each engine metric is written twice, as ``runtime:<name>`` and as vLLM's name
-(``vllm:num_requests_running``, ``vllm:gpu_cache_usage_perc`` ...), so dashboards made
-for vLLM (its published Grafana dashboard) work unchanged. The HTTP counters and the
-prefix cache hit rate gauge, which vLLM does not have, are ``runtime:`` only.
+Each engine metric is written twice. ``runtime:<name>`` is the server's, labelled ``model_name``. vLLM's
+name (``vllm:num_requests_running``, ``vllm:gpu_cache_usage_perc`` ...) is labelled ``model_name`` and
+``engine`` (the engine core's data-parallel rank), one series per engine core, as vLLM labels it, so
+dashboards made for vLLM (its published Grafana dashboard) work unchanged. With one engine core both
+have the same values. With several (``--data-parallel-size``) the runtime gauges are the replicas'
+scheduler stats combined (``combine_engine_stats``) and the runtime counters and histograms count every
+engine's events. The HTTP counters, the prefix cache hit rate gauge and the ``runtime:engine_*`` series
+(per engine core, labelled ``engine``) are ``runtime:`` only.
 
-With several engine cores (``--data-parallel-size``) the engine metrics above are the
-server's: the replicas' scheduler stats combined (``combine_engine_stats``). Each replica's
-own running, waiting, KV usage and finished requests are the ``runtime:engine_*`` series,
-labelled ``engine="<rank>"`` as vLLM labels its per-engine series (present with one engine too).
+Request timing, as vLLM defines it: TTFT and e2e latency from the request's arrival in the front end;
+its phases on the engine core's clock (``runtime.metrics_series.RequestTimes.phases``). An ``n > 1``
+request's children are requests of their own; ``request_params_n`` and ``request_max_num_generation_tokens``
+(the most tokens of any child) are observed once per request, when its last child ends.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from itertools import zip_longest
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
+    CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest,
 )
 
 from runtime.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from runtime.metrics_series import (
+    ITERATION_TOKEN_BUCKETS, N_BUCKETS, PREFIX, REQUEST_LATENCY_BUCKETS, TOKEN_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS,
+    VLLM_PREFIX, Family, RequestTimes,
+)
 from runtime.stat_logger import StatLogger
-
-PREFIX = "runtime:"
-VLLM_PREFIX = "vllm:"
-# vLLM's bucket bounds (every one of them, so a dashboard's ``le="..."`` query finds its bucket), reaching
-# minutes for the first token and hours for a request: a long queue must not fall into +Inf.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                 80.0, 160.0, 640.0, 2560.0)
-_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-                960.0, 1920.0, 7680.0)
-_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)  # 1, 2, 5, 10 ...
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _OFFLOAD_COUNTERS = {
@@ -58,6 +46,7 @@ _OFFLOAD_COUNTERS = {
     "load_seconds": "Time spent loading KV blocks from the offload tiers",
     "checksum_failures": "Offloaded KV blocks that failed their checksum (recomputed)",
 }
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 
 def combine_engine_stats(stats_by_engine: Iterable[dict]) -> dict:
@@ -76,38 +65,6 @@ def combine_engine_stats(stats_by_engine: Iterable[dict]) -> dict:
     return combined
 
 
-class _Twins:
-    """One metric (or one labelled child) under several names, updated together."""
-
-    __slots__ = ("_metrics",)
-
-    def __init__(self, metrics):
-        self._metrics = tuple(metrics)
-
-    def labels(self, *values: str) -> "_Twins":
-        return _Twins(m.labels(*values) for m in self._metrics)
-
-    def inc(self, amount: float = 1.0) -> None:
-        for m in self._metrics:
-            m.inc(amount)
-
-    def set(self, value: float) -> None:
-        for m in self._metrics:
-            m.set(value)
-
-    def observe(self, value: float) -> None:
-        for m in self._metrics:
-            m.observe(value)
-
-
-@dataclass(slots=True)
-class _RequestTimes:
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    num_generated: int = 0
-
-
 class EngineMetrics:
     """Counters, gauges and histograms of one served model."""
 
@@ -116,11 +73,12 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.stat_logger = StatLogger()  # the periodic stats log line, fed the same outputs
-        self._times: dict[str, _RequestTimes] = {}
-        self._last_prefix = (0, 0, 0)  # queries, hits, preemptions reported so far (cumulative)
-        self._last_spec: dict[str, object] = {}  # speculative-decoding counts reported so far (cumulative)
-        self._last_offload: dict[str, float] = {}  # KV offload counts reported so far (cumulative)
+        self._times: dict[str, RequestTimes] = {}
+        self._parents: dict[str, list[int]] = {}  # n > 1 request id -> [n, children not ended, most tokens of one]
+        self._last_counts: dict[int, dict] = {}  # engine index -> its cumulative counts reported so far
         self._engine_stats: dict[int, dict] = {}  # engine index -> its latest scheduler stats
+        self._engines: set[str] = set()  # engine labels whose series exist
+        self._plain: list[Family] = []  # families with no label but model_name (and engine)
         self._add_scheduler_metrics()
         self._add_request_metrics()
         self.http_responses = Counter(
@@ -131,14 +89,19 @@ class EngineMetrics:
             Counter, "request_errors", "Requests answered with an error, by OpenAI error type",
             ("status", "type"), vllm_names=(),
         )
+        self._see_engine("0")
 
-    def _metric(self, kind, name: str, doc: str, extra_labels=(), vllm_names: tuple[str, ...] | None = None, **kwargs):
-        """``runtime:<name>`` and ``vllm:<n>`` for each of ``vllm_names`` (default: ``name``);
-        bound to this model when there are no other labels."""
-        names = [PREFIX + name] + [VLLM_PREFIX + n for n in ((name,) if vllm_names is None else vllm_names)]
-        labels = ["model_name", *extra_labels]
-        twins = _Twins(kind(n, doc, labels, registry=self.registry, **kwargs) for n in names)
-        return twins if extra_labels else twins.labels(self.model_name)
+    def _metric(self, kind, name: str, doc: str, extra_labels=(), vllm_names: tuple[str, ...] | None = None,
+                **kwargs) -> Family:
+        """``runtime:<name>`` and ``vllm:<n>`` (labelled by engine) for each of ``vllm_names`` (default: ``name``)."""
+        names = (name,) if vllm_names is None else vllm_names
+        own = kind(PREFIX + name, doc, ["model_name", *extra_labels], registry=self.registry, **kwargs)
+        twins = [kind(VLLM_PREFIX + n, doc, ["model_name", "engine", *extra_labels], registry=self.registry, **kwargs)
+                 for n in names]
+        family = Family(own, twins, self.model_name)
+        if not extra_labels:
+            self._plain.append(family)
+        return family
 
     def _add_scheduler_metrics(self) -> None:
         m = self._metric
@@ -148,32 +111,33 @@ class EngineMetrics:
             Gauge, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)",
             vllm_names=("kv_cache_usage_perc", "gpu_cache_usage_perc"),
         )
-        self.prefix_queries = m(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = m(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.prefix_hit_rate = m(Gauge, "prefix_cache_hit_rate", "Prefix cache hits / queries so far", vllm_names=())
-        self.preemptions = m(Counter, "num_preemptions", "Requests preempted by the scheduler")
-        # Speculative decoding (vLLM's names): a draft is one request's drafts verified in one step.
-        self.spec_counters = {
+        self.iteration_tokens = m(Histogram, "iteration_tokens_total", "Tokens computed per engine step",
+                                  buckets=ITERATION_TOKEN_BUCKETS)
+        # Scheduler stats key (a cumulative count) -> its counter. Speculative decoding as vLLM names it:
+        # a draft is one request's drafts verified in one step.
+        self.stat_counters = {
+            "prefix_cache_queries": m(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+            "prefix_cache_hits": m(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            "num_preemptions": m(Counter, "num_preemptions", "Requests preempted by the scheduler"),
             "spec_decode_num_drafts": m(Counter, "spec_decode_num_drafts", "Speculative drafts verified (requests x steps)"),
             "spec_decode_num_draft_tokens": m(Counter, "spec_decode_num_draft_tokens", "Speculative draft tokens verified"),
             "spec_decode_num_accepted_tokens": m(
                 Counter, "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted"
             ),
         }
+        # KV offload tiers (runtime-plugin-kv-offload)
+        for key, doc in _OFFLOAD_COUNTERS.items():
+            self.stat_counters["kv_offload_" + key] = m(Counter, "kv_offload_" + key, doc, vllm_names=())
         self.spec_accepted_per_pos = m(
-            Counter, "spec_decode_num_accepted_tokens_per_pos", "Speculative draft tokens accepted, by position in the draft",
-            ("position",),
+            Counter, _PER_POS, "Speculative draft tokens accepted, by position in the draft", ("position",),
         )
-        # KV offload tiers (runtime-plugin-kv-offload): scheduler stats key -> counter.
-        self.offload_counters = {
-            "kv_offload_" + key: m(Counter, "kv_offload_" + key, doc, vllm_names=()) for key, doc in _OFFLOAD_COUNTERS.items()
-        }
         self.offload_hits = m(Counter, "kv_offload_hits", "KV blocks loaded from an offload tier, by tier", ("tier",),
                               vllm_names=())
         self._add_engine_metrics()
 
     def _add_engine_metrics(self) -> None:
-        """Per engine core (data-parallel rank), labelled ``engine``."""
+        """Per engine core (data-parallel rank), labelled ``engine``, runtime only."""
         m = self._metric
         self.engine_running = m(Gauge, "engine_num_requests_running", "Requests running in each engine core",
                                 ("engine",), vllm_names=())
@@ -186,42 +150,67 @@ class EngineMetrics:
 
     def _add_request_metrics(self) -> None:
         m = self._metric
-        self.prompt_tokens = m(Counter, "prompt_tokens", "Prompt tokens of requests added")
+        self.prompt_tokens = m(Counter, "prompt_tokens", "Prompt tokens of requests prefilled")
         self.generation_tokens = m(Counter, "generation_tokens", "Generated tokens")
         self.request_success = m(Counter, "request_success", "Finished requests by finish reason", ("finished_reason",))
-        for reason in FinishReason:  # every reason's series from the start (at 0), as vLLM shows them
-            self.request_success.labels(self.model_name, reason.value)
-        self.ttft = m(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS)
+        self.ttft = m(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS)
         self.tpot = m(
             Histogram, "time_per_output_token_seconds", "Mean time per output token after the first, per request",
-            buckets=_TPOT_BUCKETS,
+            buckets=TPOT_BUCKETS,
         )
         # vLLM's name of the same per-request mean (its time_per_output_token_seconds samples every token gap)
         self.request_tpot = m(
             Histogram, "request_time_per_output_token_seconds", "Mean time per output token after the first, per request",
-            buckets=_TPOT_BUCKETS,
+            buckets=TPOT_BUCKETS,
         )
         self.itl = m(
             Histogram, "inter_token_latency_seconds",
             "Time between consecutive output tokens (a batch of k tokens arriving together counts k gaps)",
-            buckets=_TPOT_BUCKETS,
+            buckets=TPOT_BUCKETS,
         )
-        self.e2e = m(Histogram, "e2e_request_latency_seconds", "End-to-end request latency", buckets=_E2E_BUCKETS)
-        self.request_prompt_tokens = m(
-            Histogram, "request_prompt_tokens", "Prompt tokens per request", buckets=_TOKEN_BUCKETS
-        )
-        self.request_generation_tokens = m(
-            Histogram, "request_generation_tokens", "Generated tokens per finished request", buckets=_TOKEN_BUCKETS
-        )
+        self.e2e = m(Histogram, "e2e_request_latency_seconds", "End-to-end request latency", buckets=REQUEST_LATENCY_BUCKETS)
+        # queue, prefill, decode, inference: in the order of RequestTimes.phases
+        phases = (("queue", "Time from queued in the engine to first scheduled"),
+                  ("prefill", "Time from first scheduled to the first token"),
+                  ("decode", "Time from the first token to the last"),
+                  ("inference", "Time from first scheduled to the last token"))
+        self.phase_histograms = [m(Histogram, f"request_{phase}_time_seconds", doc, buckets=REQUEST_LATENCY_BUCKETS)
+                                 for phase, doc in phases]
+        hist = [("request_prompt_tokens", "Prompt tokens per request"),
+                ("request_generation_tokens", "Generated tokens per finished request"),
+                ("request_max_num_generation_tokens", "Most tokens generated by one completion of a request (n > 1: of its n)"),
+                ("request_params_max_tokens", "The max_tokens of each request")]
+        (self.request_prompt_tokens, self.request_generation_tokens, self.request_max_generation,
+         self.request_max_tokens) = (m(Histogram, name, doc, buckets=TOKEN_BUCKETS) for name, doc in hist)
+        self.request_n = m(Histogram, "request_params_n", "The n of each request", buckets=N_BUCKETS)
+
+    def _see_engine(self, engine: str) -> None:
+        """Engine ``engine``'s series, at 0 until used (every finish reason's too, as vLLM shows them)."""
+        self._engines.add(engine)
+        for family in self._plain:
+            family.on(engine)
+        for reason in FinishReason:
+            self.request_success.on(engine, reason.value)
 
     # ------------------------------------------------------------ request life
-    def add_request(self, request_id: str, num_prompt_tokens: int, arrival: float | None = None) -> None:
-        """A request (or one of its ``n`` children: those after the first pass 0 prompt tokens) arrived."""
-        self._times[request_id] = _RequestTimes(arrival=time.time() if arrival is None else arrival)
-        self.prompt_tokens.inc(num_prompt_tokens)
+    def add_request(
+        self, request_id: str, num_prompt_tokens: int, arrival: float | None = None, *, max_tokens: int | None = None,
+        parent: str | None = None, n: int = 1,
+    ) -> None:
+        """A request arrived, or one of the ``n`` children of request ``parent`` (those after the first pass 0
+        prompt tokens). Its engine core is the one its outputs come from, unless ``set_engine`` says."""
+        arrival = time.time() if arrival is None else arrival
+        self._times[request_id] = RequestTimes(arrival, num_prompt_tokens, max_tokens=max_tokens, parent=parent)
+        if parent is not None:
+            self._parents.setdefault(parent, [n, n, 0])
         if num_prompt_tokens:
-            self.request_prompt_tokens.observe(num_prompt_tokens)
             self.stat_logger.record_prompt(request_id, num_prompt_tokens)
+
+    def set_engine(self, request_id: str, engine_index: int) -> None:
+        """The engine core (data-parallel rank) request ``request_id`` went to, for its ``engine`` label."""
+        times = self._times.get(request_id)
+        if times is not None:
+            times.engine = str(engine_index)
 
     def end_requests(self, request_ids, reason: str, now: float | None = None) -> None:
         """Requests that ended in the front end: "abort", "error", or "stop" (a stop string)."""
@@ -235,125 +224,169 @@ class EngineMetrics:
     def record(self, outputs: EngineCoreOutputs, now: float | None = None, engine_index: int = 0) -> None:
         """One message of engine core ``engine_index`` (its data-parallel rank)."""
         now = time.time() if now is None else now
+        sent = outputs.timestamp or now  # on the engine core's clock
         engine = str(engine_index)
+        if engine not in self._engines:
+            self._see_engine(engine)
         for output in outputs.outputs:
-            self._record_output(output, now, engine)
+            self._record_output(output, now, sent, engine)
         if outputs.new_tokens is not None:
-            for request_id in outputs.new_tokens.request_ids:
-                times = self._times.get(request_id)
-                if times is not None:
-                    self._record_tokens(times, 1, now)
+            self._record_new_tokens(outputs.new_tokens.request_ids, now, sent, engine)
         combined = None
         if outputs.scheduler_stats:
             combined = self._record_engine_stats(outputs.scheduler_stats, engine_index)
             self._record_stats(combined)
         self.stat_logger.record(outputs, combined)
 
-    def _record_engine_stats(self, stats: dict, engine_index: int) -> dict:
-        """Set engine ``engine_index``'s own gauges; the server's stats over every engine heard from."""
-        self._engine_stats[engine_index] = stats
-        engine = str(engine_index)
-        self.engine_running.labels(self.model_name, engine).set(stats.get("num_running", 0))
-        self.engine_waiting.labels(self.model_name, engine).set(stats.get("num_waiting", 0))
-        self.engine_kv_usage.labels(self.model_name, engine).set(stats.get("kv_cache_usage", 0.0))
-        if len(self._engine_stats) == 1:
-            return stats
-        return combine_engine_stats(self._engine_stats.values())
-
-    def _record_output(self, output: EngineCoreOutput, now: float, engine: str = "0") -> None:
+    def _record_output(self, output: EngineCoreOutput, now: float, sent: float, engine: str) -> None:
         times = self._times.get(output.request_id)
         if times is None:
             return
+        if output.scheduled_time:
+            times.queued, times.scheduled = output.queued_time, output.scheduled_time
         num_new = len(output.new_token_ids)
         if num_new:
-            self._record_tokens(times, num_new, now)
+            self._record_tokens(times, num_new, now, sent, engine)
         if output.finish_reason is None:
             return
         del self._times[output.request_id]
         self._observe_end(times, output.finish_reason.value, now)
-        self.engine_success.labels(self.model_name, engine, output.finish_reason.value).inc()
+        self.engine_success.server(engine, output.finish_reason.value).inc()
 
-    def _record_tokens(self, times: _RequestTimes, num_new: int, now: float) -> None:
-        self.generation_tokens.inc(num_new)
+    def _record_new_tokens(self, request_ids: list[str], now: float, sent: float, engine: str) -> None:
+        """One token each, none a first token (the bulk of a decode step: the metric children looked up once)."""
+        itl, num_tokens = self.itl.on(engine), 0
+        for request_id in request_ids:
+            times = self._times.get(request_id)
+            if times is None:
+                continue
+            if times.first_token is None or times.engine != engine:
+                self._record_tokens(times, 1, now, sent, engine)  # not seen from this engine before
+                continue
+            itl.observe(now - times.last_token)
+            times.last_token, times.last_token_ts = now, sent
+            times.num_generated += 1
+            num_tokens += 1
+        if num_tokens:
+            self.generation_tokens.on(engine).inc(num_tokens)
+
+    def _record_tokens(self, times: RequestTimes, num_new: int, now: float, sent: float, engine: str) -> None:
+        if times.engine is None:
+            times.engine = engine
+        engine = times.engine
+        self.generation_tokens.on(engine).inc(num_new)
         if times.first_token is None:
-            times.first_token = now
-            self.ttft.observe(now - times.arrival)
+            times.first_token, times.first_token_ts = now, sent
+            self.ttft.on(engine).observe(now - times.arrival)
+            self.prompt_tokens.on(engine).inc(times.num_prompt_tokens)  # prefilled, as vLLM counts them
             gaps = [0.0] * (num_new - 1)  # tokens that came with the first one
         else:
             gaps = [(now - times.last_token) / num_new] * num_new
+        itl = self.itl.on(engine)
         for gap in gaps:
-            self.itl.observe(gap)
-        times.last_token = now
+            itl.observe(gap)
+        times.last_token, times.last_token_ts = now, sent
         times.num_generated += num_new
 
-    def _observe_end(self, times: _RequestTimes, reason: str, now: float) -> None:
-        self.request_success.labels(self.model_name, reason).inc()
-        self.e2e.observe(now - times.arrival)
-        self.request_generation_tokens.observe(times.num_generated)
+    def _observe_end(self, times: RequestTimes, reason: str, now: float) -> None:
+        engine = times.engine or "0"
+        self.request_success.on(engine, reason).inc()
+        self.e2e.on(engine).observe(now - times.arrival)
+        if times.num_prompt_tokens:
+            self.request_prompt_tokens.on(engine).observe(times.num_prompt_tokens)
+        self.request_generation_tokens.on(engine).observe(times.num_generated)
+        if times.max_tokens:
+            self.request_max_tokens.on(engine).observe(times.max_tokens)
         if times.num_generated > 1 and times.first_token is not None:
             tpot = (times.last_token - times.first_token) / (times.num_generated - 1)
-            self.tpot.observe(tpot)
-            self.request_tpot.observe(tpot)
+            self.tpot.on(engine).observe(tpot)
+            self.request_tpot.on(engine).observe(tpot)
+        phases = times.phases()
+        if phases is not None:
+            for family, seconds in zip(self.phase_histograms, phases):
+                family.on(engine).observe(seconds)
+        self._observe_request_end(times, engine)
+
+    def _observe_request_end(self, times: RequestTimes, engine: str) -> None:
+        """The user's request: n and the most tokens of one completion, once its last child (of n) ended."""
+        n, most = 1, times.num_generated
+        if times.parent is not None:
+            group = self._parents.get(times.parent)
+            if group is None:
+                return
+            group[1] -= 1
+            group[2] = max(group[2], times.num_generated)
+            if group[1] > 0:
+                return
+            del self._parents[times.parent]
+            n, most = group[0], group[2]
+        self.request_n.on(engine).observe(n)
+        self.request_max_generation.on(engine).observe(most)
+
+    # --------------------------------------------------------- scheduler stats
+    def _record_engine_stats(self, stats: dict, engine_index: int) -> dict:
+        """Engine ``engine_index``'s own series; returns the server's stats over every engine heard from."""
+        self._engine_stats[engine_index] = stats
+        engine = str(engine_index)
+        running, waiting, usage = stats.get("num_running", 0), stats.get("num_waiting", 0), stats.get("kv_cache_usage", 0.0)
+        self.engine_running.server(engine).set(running)
+        self.engine_waiting.server(engine).set(waiting)
+        self.engine_kv_usage.server(engine).set(usage)
+        self.num_running.engine(engine).set(running)
+        self.num_waiting.engine(engine).set(waiting)
+        self.kv_usage.engine(engine).set(usage)
+        self._record_counts(stats, engine_index)
+        if stats.get("num_step_tokens"):
+            self.iteration_tokens.on(engine).observe(stats["num_step_tokens"])
+        if len(self._engine_stats) == 1:
+            return stats
+        return combine_engine_stats(self._engine_stats.values())
+
+    def _record_counts(self, stats: dict, engine_index: int) -> None:
+        """The engine's cumulative counts (prefix cache, preemptions, drafts, offload), as increments since its last report."""
+        last = self._last_counts.setdefault(engine_index, {})
+        engine = str(engine_index)
+
+        def delta(key, value) -> float:
+            increment = max(value - last.get(key, 0), 0)
+            last[key] = value
+            return increment
+
+        for key, value in stats.items():
+            family = self.stat_counters.get(key)
+            if family is not None:
+                family.on(engine).inc(delta(key, value))
+            elif key.startswith("kv_offload_hits_"):
+                self.offload_hits.server(key.removeprefix("kv_offload_hits_")).inc(delta(key, value))
+        for position, value in enumerate(stats.get(_PER_POS) or ()):
+            self.spec_accepted_per_pos.on(engine, str(position)).inc(delta((_PER_POS, position), value))
 
     def _record_stats(self, stats: dict) -> None:
-        self.num_running.set(stats.get("num_running", 0))
-        self.num_waiting.set(stats.get("num_waiting", 0))
-        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        """The server's gauges, from the engines' stats combined."""
+        self.num_running.server().set(stats.get("num_running", 0))
+        self.num_waiting.server().set(stats.get("num_waiting", 0))
+        self.kv_usage.server().set(stats.get("kv_cache_usage", 0.0))
         queries, hits = stats.get("prefix_cache_queries", 0), stats.get("prefix_cache_hits", 0)
-        preemptions = stats.get("num_preemptions", 0)
-        last_queries, last_hits, last_preemptions = self._last_prefix
-        self.prefix_queries.inc(max(queries - last_queries, 0))
-        self.prefix_hits.inc(max(hits - last_hits, 0))
-        self.preemptions.inc(max(preemptions - last_preemptions, 0))
-        self._last_prefix = (queries, hits, preemptions)
-        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
-        if "spec_decode_num_drafts" in stats:
-            self._record_spec_stats(stats)
-        if "kv_offload_hit_tokens" in stats:
-            self._record_offload_stats(stats)
-
-    def _record_offload_stats(self, stats: dict) -> None:
-        """The KV offload tiers' cumulative counts, as increments since the last report."""
-        last = self._last_offload
-        for key, value in stats.items():
-            if not key.startswith("kv_offload_"):
-                continue
-            delta = max(value - last.get(key, 0), 0)
-            last[key] = value
-            if key in self.offload_counters:
-                self.offload_counters[key].inc(delta)
-            elif key.startswith("kv_offload_hits_"):
-                self.offload_hits.labels(self.model_name, key.removeprefix("kv_offload_hits_")).inc(delta)
-
-    def _record_spec_stats(self, stats: dict) -> None:
-        """The scheduler's cumulative speculative-decoding counts, as increments since the last report."""
-        last = self._last_spec
-        for key, counter in self.spec_counters.items():
-            value = stats.get(key, 0)
-            counter.inc(max(value - last.get(key, 0), 0))
-            last[key] = value
-        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos") or []
-        last_per_pos = last.get("per_pos") or []
-        for position, value in enumerate(per_pos):
-            previous = last_per_pos[position] if position < len(last_per_pos) else 0
-            self.spec_accepted_per_pos.labels(self.model_name, str(position)).inc(max(value - previous, 0))
-        last["per_pos"] = list(per_pos)
+        self.prefix_hit_rate.server().set(hits / queries if queries else 0.0)
 
     def mark_engine_dead(self) -> None:
         """No engine, nothing runs: zero the gauges and fail what was in flight."""
         self.end_requests(list(self._times), "error")
-        self.num_running.set(0)
-        self.num_waiting.set(0)
+        self.num_running.server().set(0)
+        self.num_waiting.server().set(0)
+        for engine in self._engines:
+            self.num_running.engine(engine).set(0)
+            self.num_waiting.engine(engine).set(0)
         for engine_index in self._engine_stats:
-            self.engine_running.labels(self.model_name, str(engine_index)).set(0)
-            self.engine_waiting.labels(self.model_name, str(engine_index)).set(0)
+            self.engine_running.server(str(engine_index)).set(0)
+            self.engine_waiting.server(str(engine_index)).set(0)
 
     # ------------------------------------------------------------------- HTTP
     def record_http(self, path: str, status: int) -> None:
         self.http_responses.labels(path, str(status)).inc()
 
     def record_error(self, status: int, error_type: str) -> None:
-        self.request_errors.labels(self.model_name, str(status), error_type).inc()
+        self.request_errors.server(str(status), error_type).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

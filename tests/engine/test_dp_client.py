@@ -126,7 +126,7 @@ def test_metrics_per_engine_and_for_the_server():
     assert 'runtime:engine_num_requests_running{engine="0",model_name="m"} 2.0' in text
     assert 'runtime:engine_num_requests_running{engine="1",model_name="m"} 1.0' in text
     assert 'runtime:engine_request_success_total{engine="1",finished_reason="length",model_name="m"} 1.0' in text
-    assert 'engine="0",finished_reason' not in text
+    assert 'runtime:engine_request_success_total{engine="0",finished_reason' not in text
 
 
 def test_gpu_replicas_take_their_share_of_the_visible_devices(monkeypatch):

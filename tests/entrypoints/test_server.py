@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 
 import httpx
 import openai
@@ -492,6 +493,56 @@ def test_client_disconnect_aborts(server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=server.headers(), timeout=0.5)
     assert wait_for(lambda: server.metric("runtime:request_success_total", finished_reason="abort") == before + 2)
+    assert wait_for(lambda: server.metric("runtime:num_requests_running") == 0)
+
+
+
+# ------------------------------------------------------------- request ids
+def test_x_request_id_names_the_completion_and_its_log_line(server, client):
+    """vLLM: an X-Request-Id header is the base of the response id (cmpl-<id>, chatcmpl-<id>, every chunk's too)
+    and of the id the request is logged and run under; one that is too long or not ASCII is ignored (a new id)."""
+    given = {"X-Request-Id": "trace-42/a b"}
+    assert complete(client, "hi", extra_headers=given).id == "cmpl-trace-42/a b"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 stream=True, extra_headers=given, **GREEDY))
+    assert {chunk.id for chunk in chunks} == {"chatcmpl-trace-42/a b"}
+    assert wait_for(lambda: "Received request cmpl-trace-42/a b-" in server.log()
+                    and "Received request chatcmpl-trace-42/a b-" in server.log())
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", complete(client, "hi").id)
+    for bad in [b"x" * 257, "caf\u00e9".encode()]:
+        response = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                              headers={"X-Request-Id": bad, **server.headers()})
+        assert response.status_code == 200 and re.fullmatch(r"cmpl-[0-9a-f]{32}", response.json()["id"]), bad
+    assert complete(client, "hi", extra_headers={"X-Request-Id": "y" * 256}).id == "cmpl-" + "y" * 256
+
+
+def test_requests_sharing_an_x_request_id_run_apart(server):
+    """Requests in flight at once with one X-Request-Id (n = 2 each: a stream the client drops, a stream read to the
+    end, a unary one) all run: the engine gets an id of its own for each, so dropping one aborts only that one."""
+    headers = {"X-Request-Id": "same-id"}
+    aborted = server.metric("runtime:request_success_total", finished_reason="abort")
+    body = dict(model=MODEL, prompt="hi", n=2, extra_body={"ignore_eos": True}, extra_headers=headers)
+
+    async def run():
+        aclient = server.async_client()
+        try:
+            dropped = await aclient.completions.create(stream=True, max_tokens=240, **body)
+            first = await dropped.__anext__()  # generation started; 240 tokens keep it in flight
+            kept = await aclient.completions.create(stream=True, max_tokens=30, **body,
+                                                    stream_options={"include_usage": True})
+            unary = asyncio.ensure_future(aclient.completions.create(max_tokens=30, **body))
+            await asyncio.sleep(0.05)
+            await dropped.close()  # the client goes away: the server aborts that request
+            return first, [chunk async for chunk in kept], await unary
+        finally:
+            await aclient.close()
+
+    first, kept, unary = asyncio.run(run())
+    assert first.id == unary.id == "cmpl-same-id" and {chunk.id for chunk in kept} == {"cmpl-same-id"}
+    assert kept[-1].usage.completion_tokens == unary.usage.completion_tokens == 2 * 30
+    assert sorted(c.finish_reason for chunk in kept for c in chunk.choices if c.finish_reason) == ["length"] * 2
+    assert [c.finish_reason for c in unary.choices] == ["length"] * 2
+    assert wait_for(lambda: server.metric("runtime:request_success_total", finished_reason="abort") == aborted + 2)
     assert wait_for(lambda: server.metric("runtime:num_requests_running") == 0)
 
 

@@ -79,6 +79,27 @@ def test_request_id_header_is_echoed_or_made(server):
         assert any(line == "data: [DONE]" for line in response.iter_lines())
 
 
+def test_request_id_header_and_completion_id_agree(server):
+    """The X-Request-Id answered is the one the completion id is made of: the client's, else the one made for it
+    (also for a header too long or not ASCII to be an id, which is not echoed back)."""
+    client = server.client()
+    model = client.models.list().data[0].id
+
+    def ids(headers: dict) -> tuple[str, str]:
+        raw = client.completions.with_raw_response.create(model=model, prompt="hi", max_tokens=1, extra_headers=headers)
+        return raw.headers["x-request-id"], raw.parse().id
+
+    assert ids({"X-Request-Id": "abc-1"}) == ("abc-1", "cmpl-abc-1")
+    for headers in [{}, {"X-Request-Id": "x" * 257}]:
+        made, completion_id = ids(headers)
+        assert re.fullmatch(r"[0-9a-f]{32}", made) and completion_id == "cmpl-" + made, (headers, made, completion_id)
+    chat = client.chat.completions.with_raw_response.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                            max_tokens=1)
+    assert chat.parse().id == "chatcmpl-" + chat.headers["x-request-id"]
+    response = httpx.get(server.url + "/health", headers={"X-Request-Id": "caf\u00e9".encode()})
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"])
+
+
 def test_access_log_off_and_uvicorn_at_warning(server):
     httpx.get(server.url + "/health")
     time.sleep(0.2)

@@ -47,6 +47,6 @@ def test_metrics_have_vllms_long_buckets(server):
     client = server.client()
     client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2)
     samples = server.metrics()
-    assert samples[("vllm:time_to_first_token_seconds_bucket", (("le", "2560.0"),))] >= 1
-    assert samples[("vllm:e2e_request_latency_seconds_bucket", (("le", "7680.0"),))] >= 1
-    assert samples[("vllm:request_success_total", (("finished_reason", "abort"),))] == 0
+    assert samples[("vllm:time_to_first_token_seconds_bucket", (("engine", "0"), ("le", "2560.0")))] >= 1
+    assert samples[("vllm:e2e_request_latency_seconds_bucket", (("engine", "0"), ("le", "7680.0")))] >= 1
+    assert samples[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "abort")))] == 0

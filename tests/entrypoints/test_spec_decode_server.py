@@ -34,8 +34,8 @@ def test_concurrent_and_streamed_completions_match_transformers(served):
     assert concurrent_greedy_completions(server, prompts, NUM_NEW_TOKENS) == expected
     for i in (0, 3):
         assert streamed_greedy_completion(server, prompts[i], NUM_NEW_TOKENS) == expected[i]
-    accepted = server.metric("vllm:spec_decode_num_accepted_tokens_total")
-    assert 0 < accepted <= server.metric("vllm:spec_decode_num_draft_tokens_total"), server.metrics()
+    accepted = server.metric("vllm:spec_decode_num_accepted_tokens_total", engine="0")
+    assert 0 < accepted <= server.metric("vllm:spec_decode_num_draft_tokens_total", engine="0"), server.metrics()
 
 
 def test_stop_token_inside_a_run_of_drafts(served):

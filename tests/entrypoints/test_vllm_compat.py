@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from support.remote_server import SERVER_FLAGS, running_server
+from support.remote_server import SERVER_FLAGS, running_server, wait_for
 
 NAMES = ["tiny", "alias"]
 TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
@@ -91,8 +91,8 @@ def test_the_generation_config_max_tokens_is_clamped_to_the_context(client):
 
 
 def test_vllm_metric_names_and_inter_token_latency(server, client):
-    def itl_count(prefix: str) -> float:
-        return server.metric(prefix + "inter_token_latency_seconds_count")
+    def itl_count(prefix: str) -> float:  # vLLM's names are labelled by engine core (one here)
+        return server.metric(prefix + "inter_token_latency_seconds_count", **({"engine": "0"} if prefix == "vllm:" else {}))
 
     before = {p: itl_count(p) for p in ("vllm:", "runtime:")}
     client.completions.create(model="tiny", prompt="Hello", max_tokens=6, extra_body=NO_EOS)
@@ -105,8 +105,38 @@ def test_vllm_metric_names_and_inter_token_latency(server, client):
                  "vllm:time_per_output_token_seconds_bucket", "vllm:request_prompt_tokens_bucket",
                  "vllm:request_generation_tokens_bucket"):
         assert name in names, name
-    assert server.metric("vllm:request_success_total", finished_reason="length") >= 1
-    assert server.metric("vllm:generation_tokens_total") == server.metric("runtime:generation_tokens_total")
+    assert server.metric("vllm:request_success_total", engine="0", finished_reason="length") >= 1
+    assert server.metric("vllm:generation_tokens_total", engine="0") == server.metric("runtime:generation_tokens_total")
+
+
+def test_vllm_request_phase_and_parameter_metrics(server, client):
+    """vLLM's queue / prefill / decode / inference histograms, the request parameter histograms and the tokens per
+    step, scraped from /metrics: one sample per request, and values that add up."""
+
+    def vllm(name: str, **labels) -> float:
+        return server.metric("vllm:" + name, engine="0", **labels)
+
+    names = [f"request_{p}_time_seconds_{s}" for p in ("queue", "prefill", "decode", "inference") for s in ("sum", "count")]
+    names += ["time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum", "iteration_tokens_total_sum",
+              "prefix_cache_hits_total", "request_params_n_sum", "request_params_n_count",
+              "request_max_num_generation_tokens_sum", "request_params_max_tokens_sum", "request_params_max_tokens_count"]
+    before = {name: vllm(name) for name in names}
+    out = client.completions.create(model="tiny", prompt="Phases of one request", max_tokens=6, n=2, extra_body=NO_EOS)
+    assert [c.finish_reason for c in out.choices] == ["length", "length"]
+    assert wait_for(lambda: server.metric("runtime:num_requests_running") == 0)
+    delta = {name: vllm(name) - value for name, value in before.items()}
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta[f"request_{phase}_time_seconds_count"] == 2, phase  # each of the n completions
+    # inference = prefill + decode; the front end's TTFT holds the engine's queue and prefill, e2e all of them
+    phase = {p: delta[f"request_{p}_time_seconds_sum"] for p in ("queue", "prefill", "decode", "inference")}
+    assert phase["inference"] == pytest.approx(phase["prefill"] + phase["decode"])
+    assert 0 < phase["queue"] + phase["prefill"] <= delta["time_to_first_token_seconds_sum"]
+    assert phase["queue"] + phase["inference"] <= delta["e2e_request_latency_seconds_sum"]
+    # Every prompt token of both completions is computed or found cached, then 5 decode steps each.
+    assert delta["iteration_tokens_total_sum"] + delta["prefix_cache_hits_total"] == 2 * (out.usage.prompt_tokens + 5)
+    assert (delta["request_params_n_count"], delta["request_params_n_sum"]) == (1, 2)
+    assert delta["request_max_num_generation_tokens_sum"] == 6
+    assert (delta["request_params_max_tokens_count"], delta["request_params_max_tokens_sum"]) == (2, 12)
 
 
 def test_requests_and_periodic_stats_are_logged(server, client):

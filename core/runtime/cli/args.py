@@ -8,6 +8,7 @@ import json
 import types
 import typing
 
+from runtime.cli.config_file import add_config_arg
 from runtime.engine_args import EngineArgs
 
 
@@ -46,6 +47,7 @@ def json_or_comma_list(text: str) -> list:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    add_config_arg(parser)
     group = parser.add_argument_group("engine arguments")
     for f in dataclasses.fields(EngineArgs):
         if f.name in skip:

@@ -40,12 +40,13 @@ def _apply_plugin_allow_list(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runtime.cli.config_file import parse_args_with_config
     from runtime.plugins import PluginError
 
     argv = _apply_plugin_allow_list(list(sys.argv[1:] if argv is None else argv))
     try:
         parser = build_parser(load_plugins=not _manages_plugins(argv))
-        args = parser.parse_args(argv)
+        args = parse_args_with_config(parser, argv)  # --config FILE.yaml: the file's values under the flags
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

@@ -53,6 +53,11 @@ def register(sub) -> None:
     parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
                         help="how tool calls look in the model's text, for --enable-auto-tool-choice: "
                              f"{', '.join(_tool_parser_names())}")
+    parser.add_argument("--reasoning-parser", type=reasoning_parser_name, default=None, metavar="NAME",
+                        help="chat replies carry the model's reasoning in reasoning_content, split off as this "
+                             f"parser reads it: {', '.join(_reasoning_parser_names())}")
+    parser.add_argument("--response-role", type=response_role, default="assistant", metavar="ROLE",
+                        help="the role of the reply in chat responses (with add_generation_prompt)")
     parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
                         help="API server processes sharing one engine core, each accepting connections on the port")
     parser.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
@@ -121,6 +126,29 @@ def _tool_parser_names() -> list[str]:
     from runtime.entrypoints.openai.tool_parsers import tool_parser_names
 
     return tool_parser_names()
+
+
+def _reasoning_parser_names() -> list[str]:
+    from runtime.entrypoints.openai.reasoning import reasoning_parser_names
+
+    return reasoning_parser_names()
+
+
+def reasoning_parser_name(name: str) -> str:
+    """The type of ``--reasoning-parser``: a registered parser's name."""
+    from runtime.entrypoints.openai.reasoning import get_reasoning_parser
+
+    try:
+        get_reasoning_parser(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
+
+def response_role(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a role name such as 'assistant', got an empty one")
+    return text
 
 
 def check_tool_args(args) -> None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
-from runtime.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailure, holding_stop_signals
+from runtime.engine.control_client import ControlCalls
+from runtime.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailure, UtilityResult, holding_stop_signals
 from runtime.engine.dp_client import DPEngineCoreClient, make_engine_client
 from runtime.engine.input_processor import InputProcessor, PromptType
 from runtime.engine.llm_engine import load_tokenizer
@@ -98,6 +99,7 @@ class AsyncLLM:
         self._dead_error: EngineDeadError | None = None
         self._stopping: EngineDeadError | None = None  # set by abort_all: no new requests
         self._output_task: asyncio.Task | None = None
+        self.control = ControlCalls(self.engine_core)  # sleep / wake_up / profiling calls in flight
 
     @classmethod
     async def start(
@@ -208,13 +210,20 @@ class AsyncLLM:
         self.output_processor.add_states(prepared.states)
         child_ids = [child.request_id for child in children]
         self._child_ids[request_id] = child_ids
+        parent = request_id if len(children) > 1 else None
+        max_model_len = self.model_config.max_model_len
         for index, child in enumerate(children):
             self._parent_of[child.request_id] = request_id
-            num_prompt = len(child.prompt_token_ids) if index == 0 else 0
-            self.metrics.add_request(child.request_id, num_prompt, child.arrival_time)
+            room = max_model_len - len(child.prompt_token_ids)
+            self.metrics.add_request(  # the max_tokens the engine applies
+                child.request_id, len(child.prompt_token_ids) if index == 0 else 0, child.arrival_time,
+                max_tokens=min(child.sampling_params.max_tokens or room, room), parent=parent, n=len(children),
+            )
         try:
             for child in children:
-                self.engine_core.add_request(child)
+                engine_index = self.engine_core.add_request(child)  # data parallel: the replica's rank
+                if engine_index is not None:
+                    self.metrics.set_engine(child.request_id, engine_index)
         except BaseException:
             self.abort(request_id)
             raise
@@ -243,6 +252,8 @@ class AsyncLLM:
                 engine_index, message = await self.engine_core.get_indexed_output()
                 if isinstance(message, RequestFailure):
                     self._fail_request(message)
+                elif isinstance(message, UtilityResult):
+                    self.control.resolve(engine_index, message)
                 else:
                     await self._route(message, engine_index)
         except EngineDeadError as exc:
@@ -291,6 +302,7 @@ class AsyncLLM:
 
     def _engine_died(self, error: EngineDeadError) -> None:
         self._dead_error = error
+        self.control.fail_all(error)
         self.metrics.mark_engine_dead()
         for queue in self._queues.values():
             queue.put_nowait(error)
@@ -299,6 +311,33 @@ class AsyncLLM:
                 callback(error)
             except Exception:
                 logger.exception("an engine-dead callback failed")
+
+    # ---------------------------------------------------------- control calls
+    # vLLM's AsyncLLM methods, run by every engine core between steps (runtime.engine.control).
+    async def sleep(self, level: int = 1) -> None:
+        self.check_health()
+        await self.control.call("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.check_health()
+        await self.control.call("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        self.check_health()
+        return any(await self.control.call("is_sleeping"))
+
+    async def start_profile(self) -> None:
+        self.check_health()
+        await self.control.call("start_profile")
+
+    async def stop_profile(self) -> list[str]:
+        """The paths of the traces written, every engine's workers in order."""
+        self.check_health()
+        return [path for paths in await self.control.call("stop_profile") for path in paths]
+
+    async def reset_prefix_cache(self) -> bool:
+        self.check_health()
+        return all(await self.control.call("reset_prefix_cache"))
 
     # ---------------------------------------------------------------- shutdown
     async def shutdown(self) -> None:

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from runtime.config import EngineConfig
+from runtime.engine.control import EngineControl
 from runtime.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput
 from runtime.executor.base import create_executor
 from runtime.kv_transfer import KVConnectorRole, make_kv_connector
@@ -48,6 +49,8 @@ class EngineCore:
             self.async_scheduling = False
         self.in_flight: InFlightStep | None = None  # a launched step not yet collected
         self.num_steps_ahead = 0  # steps queued while the previous one was still running
+        # sleep / wake_up, start_profile / stop_profile (runtime.engine.control)
+        self.control = EngineControl(self, bool(config.plugin_options.get("enable_sleep_mode")))
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Reject what the model cannot run; the front end checks the same first."""
@@ -66,6 +69,7 @@ class EngineCore:
             raise ValueError(f"prompt token id {bad[0]} is out of range; valid ids are 0..{vocab - 1}")
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.control.check_awake()
         self.validate_request(request)
         params = request.sampling_params
         room = self.model_config.max_model_len - len(request.prompt_token_ids)
@@ -208,6 +212,7 @@ class EngineCore:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        self.control.shutdown()
         self.finish_kv_saves()
         if self.structured_output is not None:
             self.structured_output.shutdown()

@@ -70,6 +70,16 @@ class RequestFailure:
         return RequestFailedError(self.message) if self.server_side else ValueError(self.message)
 
 
+@dataclass(frozen=True)
+class UtilityResult:
+    """The engine's answer to a control call (``send_utility``): ``value`` is the result when ``ok``, else
+    ``[error kind, message]`` (runtime.engine.control.control_error raises it)."""
+
+    call_id: int
+    ok: bool
+    value: object
+
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _stop_requested = threading.Event()
 
@@ -223,7 +233,7 @@ class EngineCoreClient(DeathState):
                 return self.ready_info
             raise AssertionError(f"engine sent {kind!r} before READY")
 
-    async def get_output(self) -> EngineCoreOutputs | RequestFailure:
+    async def get_output(self) -> EngineCoreOutputs | RequestFailure | UtilityResult:
         """The next message from the engine; raises EngineDeadError once it is gone."""
         while True:
             kind, payload = await self._recv(_DEATH_POLL_S)
@@ -232,6 +242,8 @@ class EngineCoreClient(DeathState):
             if kind == core_proc.FAILED:
                 request_id, message, *server_side = msgspec.msgpack.decode(payload)
                 return RequestFailure(request_id, message, bool(server_side and server_side[0]))
+            if kind == core_proc.UTILITY_RESULT:
+                return UtilityResult(*msgspec.msgpack.decode(payload))
             assert kind is None, f"unexpected engine message {kind!r}"
 
     async def _recv(self, timeout_s: float) -> tuple[bytes | None, bytes]:
@@ -273,6 +285,12 @@ class EngineCoreClient(DeathState):
                 self._send(core_proc.ABORT, list(request_ids))
             except EngineDeadError:
                 pass  # no engine, nothing to abort there
+
+    def send_utility(self, call_id: int, method: str, args: list) -> int:
+        """Ask the engine to run control call ``method(*args)``; its UtilityResult comes with the outputs.
+        Returns the number of engines asked (one here; see DPEngineCoreClient)."""
+        self._send(core_proc.UTILITY, [call_id, method, list(args)])
+        return 1
 
     def _send(self, kind: bytes, payload) -> None:
         if self._dead_message is not None:

@@ -2,8 +2,8 @@
 
 Each API process (client) binds two ipc sockets; this process connects to all of them:
 
-    API i --PUSH--> input i  --PULL--> engine   [kind, client index, payload]: ADD | ABORT | SHUTDOWN
-    API i <--PULL-- output i <--PUSH-- engine   [kind, payload]: READY | OUTPUTS | FAILED | FATAL
+    API i --PUSH--> input i  --PULL--> engine   [kind, client index, payload]: ADD | ABORT | UTILITY | SHUTDOWN
+    API i <--PULL-- output i <--PUSH-- engine   [kind, payload]: READY | OUTPUTS | FAILED | UTILITY_RESULT | FATAL
 
 With ``--api-server-count N`` there are N clients: the engine remembers which client
 added each request and sends its outputs (and failures) only there; scheduler stats go
@@ -18,7 +18,9 @@ scheduler stats for /metrics). While idle it also asks the executor whether its
 workers still live (``check_health``, when the executor has it), so that a worker
 that dies between requests brings the engine down at once. A startup, step or
 worker error is sent as FATAL before the process exits non-zero; a request the
-core rejects is sent as FAILED.
+core rejects is sent as FAILED. A UTILITY message ([call id, method, args]) runs one of the core's control
+calls (sleep, wake_up, profiling: runtime.engine.control) between steps and answers the client that sent it
+with UTILITY_RESULT ([call id, ok, result or [error kind, message]]).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import msgspec
 import zmq
 
 from runtime.engine_args import EngineArgs
+from runtime.engine.control import run_control_call
 from runtime.messages import EngineCoreOutputs, EngineCoreRequest, NewTokens
 
 logger = logging.getLogger(__name__)
@@ -42,11 +45,13 @@ logger = logging.getLogger(__name__)
 # Input kinds (API -> engine)
 ADD = b"ADD"
 ABORT = b"ABORT"
+UTILITY = b"UTILITY"  # payload: [call id, method, args]; a control call (runtime.engine.control)
 SHUTDOWN = b"SHUTDOWN"
 # Output kinds (engine -> API)
 READY = b"READY"
 OUTPUTS = b"OUTPUTS"
 FAILED = b"FAILED"  # payload: [request_id, message(, server_side)]; the core failed one request
+UTILITY_RESULT = b"UTILITY_RESULT"  # payload: [call id, ok, result or [error kind, message]]
 FATAL = b"FATAL"  # payload: message; the engine is going down
 
 _IDLE_POLL_MS = 500  # while idle, check this often that the API process and the workers still live
@@ -54,6 +59,7 @@ _IDLE_POLL_MS = 500  # while idle, check this often that the API process and the
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 _abort_decoder = msgspec.msgpack.Decoder(list[str])
+_utility_decoder = msgspec.msgpack.Decoder(tuple[int, str, list])
 
 
 def encode(payload) -> bytes:
@@ -123,6 +129,10 @@ class EngineCoreProc:
             self.core.abort_requests(request_ids)
             for request_id in request_ids:
                 self._owner.pop(request_id, None)
+        elif kind == UTILITY:
+            call_id, method, args = _utility_decoder.decode(payload)
+            ok, result = run_control_call(self.core, method, args)
+            self.outputs[client].send_multipart([UTILITY_RESULT, encode([call_id, ok, result])])
         elif kind == SHUTDOWN:
             self._running = False
         else:

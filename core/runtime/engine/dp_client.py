@@ -21,7 +21,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from runtime.config import EngineConfig
-from runtime.engine.core_client import DeathState, EngineCoreClient, EngineDeadError, EngineStartupError, RequestFailure
+from runtime.engine.core_client import (
+    DeathState, EngineCoreClient, EngineDeadError, EngineStartupError, RequestFailure, UtilityResult,
+)
 from runtime.engine_args import EngineArgs
 from runtime.messages import EngineCoreOutputs, EngineCoreRequest
 
@@ -127,7 +129,7 @@ class DPEngineCoreClient(DeathState):
             raise EngineDeadError(self._dead_message)
         if isinstance(message, RequestFailure):
             self._forget(message.request_id)
-        else:
+        elif not isinstance(message, UtilityResult):
             for output in message.outputs:
                 if output.finish_reason is not None:
                     self._forget(output.request_id)
@@ -150,7 +152,8 @@ class DPEngineCoreClient(DeathState):
         return index
 
     # --------------------------------------------------------------- requests
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest) -> int:
+        """Send ``request`` to the least loaded replica; returns its index (data-parallel rank)."""
         if self._dead_message is not None:
             raise EngineDeadError(self._dead_message)
         index = choose_replica(self._num_unfinished, self._next)
@@ -158,6 +161,15 @@ class DPEngineCoreClient(DeathState):
         self.clients[index].add_request(request)
         self._engine_of[request.request_id] = index
         self._num_unfinished[index] += 1
+        return index
+
+    def send_utility(self, call_id: int, method: str, args: list) -> int:
+        """A control call (sleep, wake_up, profiling) to every replica; each answers with its UtilityResult."""
+        if self._dead_message is not None:
+            raise EngineDeadError(self._dead_message)
+        for client in self.clients:
+            client.send_utility(call_id, method, args)
+        return len(self.clients)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Each abort goes to the replica that has the request; unknown (finished) ids are dropped."""

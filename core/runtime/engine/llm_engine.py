@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
@@ -15,6 +16,9 @@ from runtime.outputs import RequestOutput
 from runtime.sampling_params import SamplingParams
 from runtime.stat_logger import StatLogger
 
+if TYPE_CHECKING:
+    from runtime.metrics import EngineMetrics
+
 
 def load_tokenizer(config: EngineConfig):
     if config.model_config.skip_tokenizer_init:
@@ -25,7 +29,8 @@ def load_tokenizer(config: EngineConfig):
 
 
 class LLMEngine:
-    stat_logger: StatLogger | None = None  # set to log throughput and scheduler stats periodically
+    # set by enable_stats: Prometheus metrics (LLM.get_metrics) and the periodic stats log line
+    metrics: EngineMetrics | None = None
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -42,6 +47,18 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args.create_engine_config())
 
+    def enable_stats(self, log_interval_s: float) -> None:
+        """Keep the server's metrics (runtime.metrics) of this engine's requests, and log a stats line every
+        ``log_interval_s`` seconds (``disable_log_stats=False``)."""
+        from runtime.metrics import EngineMetrics
+
+        self.metrics = EngineMetrics(self.config.model_config.served_model_name)
+        self.metrics.stat_logger.interval_s = log_interval_s
+
+    @property
+    def stat_logger(self) -> StatLogger | None:
+        return None if self.metrics is None else self.metrics.stat_logger
+
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
@@ -52,14 +69,20 @@ class LLMEngine:
         for index, child in enumerate(children):
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
-        if self.stat_logger is not None:
-            self.stat_logger.record_prompt(children[0].request_id, len(request.prompt_token_ids))
+        if self.metrics is not None:
+            room = self.config.model_config.max_model_len - len(request.prompt_token_ids)
+            for index, child in enumerate(children):  # as AsyncLLM records them
+                self.metrics.add_request(
+                    child.request_id, len(child.prompt_token_ids) if index == 0 else 0, child.arrival_time,
+                    max_tokens=min(child.sampling_params.max_tokens or room, room),
+                    parent=request_id if parent is not None else None, n=len(children),
+                )
 
     def abort_request(self, request_ids) -> None:
         ids = self.output_processor.abort_requests(list(request_ids))
         self.engine_core.abort_requests(ids if ids is not None else request_ids)
-        if self.stat_logger is not None:
-            self.stat_logger.forget(ids if ids is not None else request_ids)
+        if self.metrics is not None:
+            self.metrics.end_requests(ids if ids is not None else request_ids, "abort")
 
     def step(self) -> list[RequestOutput]:
         """One engine step; raises ValueError when the core failed a request for its input (a grammar that does
@@ -67,22 +90,24 @@ class LLMEngine:
         outputs = self.engine_core.step()
         if outputs.failed:
             self.output_processor.abort_requests(list(outputs.failed))
-            if self.stat_logger is not None:
-                self.stat_logger.forget(outputs.failed)
+            if self.metrics is not None:
+                self.metrics.end_requests(list(outputs.failed), "error")
             request_id, message = next(iter(outputs.failed.items()))
             failure = RequestFailure(request_id, f"request {request_id}: {message}", request_id in (outputs.server_failed or ()))
             raise failure.error()
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.new_tokens)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
+            if self.metrics is not None:
+                self.metrics.end_requests(processed.reqs_to_abort, "stop")
         self.last_stats = outputs.scheduler_stats
         # The last requests' blocks are held until a step carries their saves to the KV offload tiers:
         # run it now, or a caller that stops stepping here (LLM.generate) leaves them held.
         if not self.output_processor.has_unfinished_requests() and self.engine_core.drain_kv_saves():
             self.last_stats = self.engine_core.scheduler.stats()
-        if self.stat_logger is not None:
-            self.stat_logger.record(outputs)
-            self.stat_logger.maybe_log()
+        if self.metrics is not None:
+            self.metrics.record(outputs)
+            self.metrics.stat_logger.maybe_log()
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -8,6 +8,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from runtime.engine_args import EngineArgs
+from runtime.engine.metrics_reader import Metric, get_metrics_snapshot
 from runtime.engine.input_processor import PromptType
 from runtime.engine.llm_engine import LLMEngine
 from runtime.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
@@ -17,7 +18,7 @@ from runtime.executor.broadcast import WorkerDied
 from runtime.model_loader.default_model import default_model_path
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import RequestOutputKind, SamplingParams
-from runtime.stat_logger import StatLogger, log_stats_interval, show_stats_on_stderr
+from runtime.stat_logger import log_stats_interval, show_stats_on_stderr
 
 
 class LLM:
@@ -26,7 +27,8 @@ class LLM:
     ``model`` defaults to the embedded SmolLM2-135M-Instruct GGUF (as ``runtime serve``).
     Keyword arguments are engine arguments with vLLM's names (``max_num_seqs``,
     ``enable_prefix_caching``, ``dtype``, ``trust_remote_code``, ``tokenizer_mode`` ...);
-    as in vLLM, ``disable_log_stats`` defaults to True here.
+    as in vLLM, ``disable_log_stats`` defaults to True here (``get_metrics`` needs it False), and
+    ``enable_sleep_mode=True`` allows ``sleep`` / ``wake_up``.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -40,7 +42,7 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         if not self.engine_args.disable_log_stats:
             show_stats_on_stderr()
-            self.llm_engine.stat_logger = StatLogger(log_stats_interval())
+            self.llm_engine.enable_stats(log_stats_interval())
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -156,6 +158,42 @@ class LLM:
     def reset_prefix_cache(self, device=None) -> bool:
         """Forget the cached prefix blocks (vLLM's); False when blocks are still in use and nothing was reset."""
         return self.llm_engine.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``enable_sleep_mode=True``): free the device memory of the weights and the KV cache
+        while idle. Level 1 keeps the weights in host memory; level 2 discards them (``wake_up`` reloads them from
+        the checkpoint, so weights changed in place since the start are lost). The KV cache is discarded at both
+        levels and the prefix cache reset. Refused while requests are unfinished; requests are refused until
+        ``wake_up``."""
+        self.llm_engine.engine_core.control.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` freed: all of it, or the parts ``tags`` names ("weights", "kv_cache")."""
+        self.llm_engine.engine_core.control.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.engine_core.control.is_sleeping()
+
+    def start_profile(self) -> None:
+        """Start torch.profiler in every worker; needs ``RUNTIME_TORCH_PROFILER_DIR`` (vLLM's
+        ``VLLM_TORCH_PROFILER_DIR``) set before the engine starts."""
+        self.llm_engine.engine_core.control.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile and write each worker's Chrome trace (and a table of its ops) into the folder;
+        returns the traces' paths in rank order."""
+        return self.llm_engine.engine_core.control.stop_profile()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's ``LLM.get_metrics``: a snapshot of the engine's Prometheus metrics as Counter, Gauge,
+        Histogram and Vector objects (runtime.engine.metrics_reader). Needs ``disable_log_stats=False``."""
+        metrics = self.llm_engine.metrics
+        if metrics is None:
+            raise RuntimeError(
+                "get_metrics() needs the engine's stats: create the LLM with disable_log_stats=False "
+                "(True is the offline default, as in vLLM)"
+            )
+        return get_metrics_snapshot(metrics.registry)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

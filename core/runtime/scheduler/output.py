@@ -48,10 +48,13 @@ def make_output(request: Request, new_tokens: list[int], runner_output: ModelRun
     num_cached_tokens = request.num_cached_tokens if request.num_cached_tokens > 0 else 0
     # Positional, in field order: msgspec parses keyword arguments noticeably slower.
     ended_by_grammar = request.grammar is not None and request.grammar.ended
-    return EngineCoreOutput(
+    output = EngineCoreOutput(
         request.request_id, new_tokens, logprobs, prompt_logprobs, finish_reason, request.stop_reason, num_cached_tokens,
         ended_by_grammar,
     )
+    if new_tokens and len(request.output_token_ids) == len(new_tokens):  # its first token: when it queued and first ran
+        output.queued_time, output.scheduled_time = request.queued_time, request.scheduled_time
+    return output
 
 
 def append_tokens(

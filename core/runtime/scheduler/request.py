@@ -41,7 +41,7 @@ class Request:
         "eos_token_ids", "output_token_ids", "all_token_ids", "num_computed_tokens", "status",
         "num_cached_tokens", "stop_reason", "num_preemptions", "block_hashes", "prompt_logprobs",
         "max_tokens", "num_tokens", "stop_ids", "num_output_placeholders", "schedules_ahead", "grammar",
-        "spec_token_ids",
+        "spec_token_ids", "queued_time", "scheduled_time",
     )
 
     def __init__(
@@ -58,6 +58,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.queued_time = time.time()  # built when the engine core adds it (for /metrics)
+        self.scheduled_time = 0.0  # first admitted to run (0 until then)
         self.priority = priority
         self.eos_token_ids = eos_token_ids  # any of them ends the request (unless ignore_eos)
         self.output_token_ids: list[int] = []
@@ -119,6 +121,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
+
+    def mark_scheduled(self, num_cached: int) -> None:
+        """Admitted to run. The first time, its prefix-cache hits and the time are kept (a resume keeps both)."""
+        if self.num_cached_tokens < 0:
+            self.num_cached_tokens = num_cached
+            self.scheduled_time = time.time()
 
     def is_finished(self) -> bool:
         return self.status.is_finished

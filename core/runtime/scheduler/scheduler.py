@@ -310,8 +310,7 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
+            request.mark_scheduled(num_cached)
             new_reqs.append(
                 NewRequestData(
                     request.request_id,
@@ -374,7 +373,8 @@ class Scheduler:
         (failed, self.failed), (server_failed, self.server_failed) = (self.failed, {}), (self.server_failed, [])
         if self.kv_connector is not None:
             self.kv_connector.step_done(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(), failed=failed or None, new_tokens=new_tokens,
+        stats = self.stats() | {"num_step_tokens": scheduler_output.total_num_scheduled_tokens}  # vllm:iteration_tokens_total
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, failed=failed or None, new_tokens=new_tokens,
                                  server_failed=server_failed or None)
 
     def _observe_drafts(self, num_drafts: int, num_accepted: int) -> None:

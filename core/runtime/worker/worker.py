@@ -11,7 +11,8 @@ from runtime.config import EngineConfig
 from runtime.messages import ModelRunnerOutput, SchedulerOutput
 from runtime.worker.model_runner import ModelRunner
 from runtime.worker.pending import PendingOutput
-from runtime.worker.profiling import step_profiler
+from runtime.worker.profiling import DIR_ENV, OnDemandProfiler, profiler_dir, step_profiler
+from runtime.worker.sleep import SLEEP_TAGS, WorkerSleep
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class Worker:
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.platform, self.device)
         self.profiler = step_profiler(rank)  # RUNTIME_TORCH_PROFILER_DIR
+        self.on_demand_profiler: OnDemandProfiler | None = None  # start_profile() / stop_profile()
+        self.sleep_state: WorkerSleep | None = None  # sleep() / wake_up()
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -88,6 +91,37 @@ class Worker:
             "collectives": get_parallel_state().collectives or "none (one worker per stage)",
             "decode_graph_replays": 0 if graphs is None else sum(graphs.replay_counts.values()),
         }
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free the weights (level 1: kept in host memory; level 2: reloaded at wake-up) and the KV cache;
+        returns the bytes freed of each ("weights", "kv_cache"). See runtime.worker.sleep."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level!r} is not valid; valid: 1, 2")
+        if self.sleep_state is None:
+            self.sleep_state = WorkerSleep(self.model_runner)
+        return self.sleep_state.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``tags`` names of what sleep freed ("weights", "kv_cache"; default both)."""
+        if self.sleep_state is not None:
+            self.sleep_state.wake_up(SLEEP_TAGS if tags is None else tags)
+
+    def start_profile(self) -> None:
+        """Start recording torch.profiler traces into RUNTIME_TORCH_PROFILER_DIR (until stop_profile)."""
+        folder = profiler_dir()
+        if folder is None:
+            raise RuntimeError(f"{DIR_ENV} is not set in worker rank {self.rank}")
+        if self.on_demand_profiler is None or self.on_demand_profiler.folder != folder:
+            if self.on_demand_profiler is not None and self.on_demand_profiler.profile is not None:
+                raise RuntimeError(f"rank {self.rank} is already profiling; stop_profile() first")
+            self.on_demand_profiler = OnDemandProfiler(folder, self.rank, self.profiler)
+        self.on_demand_profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop the recording start_profile began and write it; returns the trace's path."""
+        if self.on_demand_profiler is None:
+            raise RuntimeError(f"rank {self.rank} is not profiling; start_profile() first")
+        return str(self.on_demand_profiler.stop())
 
     def shutdown(self) -> None:
         """Finish the KV connector's saves in flight (offload tiers write their last blocks)."""

@@ -20,12 +20,14 @@ from importlib import metadata
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from starlette.datastructures import Headers
 
 from runtime.config import EngineConfig
 from runtime.engine_args import EngineArgs
 from runtime.engine.core_client import EngineStartupError, raise_if_stop_requested
 from runtime.entrypoints.openai import middleware
 from runtime.entrypoints.openai.api_servers import url_scheme
+from runtime.entrypoints.openai.dev_routes import add_control_routes
 from runtime.entrypoints.openai.errors import OpenAIError, error_response, install_error_handlers
 from runtime.entrypoints.openai.limits import RequestLimits
 from runtime.entrypoints.openai.protocol import (
@@ -36,7 +38,7 @@ from runtime.entrypoints.openai.request_logger import DEFAULT_MAX_LOG_LEN, Reque
 from runtime.entrypoints.openai.responses import ModelCard, ModelList
 from runtime.entrypoints.openai.serving_chat import OpenAIServingChat
 from runtime.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from runtime.entrypoints.openai.serving_engine import ServingContext, model_not_found
+from runtime.entrypoints.openai.serving_engine import ServingContext, client_request_id, model_not_found
 from runtime.entrypoints.openai.shutdown import abort_requests_on_exit, stop_on_sigterm
 from runtime.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from runtime.stat_logger import log_stats_interval
@@ -126,12 +128,12 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         body = completions.with_model_defaults(body)
-        return await run_until_disconnect(request, completions.create_completion(body))
+        return await run_until_disconnect(request, completions.create_completion(body, request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         body = chat.with_model_defaults(body)
-        return await run_until_disconnect(request, chat.create_chat_completion(body))
+        return await run_until_disconnect(request, chat.create_chat_completion(body, request))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -180,6 +182,11 @@ def serving_context(args, engine) -> ServingContext:
         from runtime.entrypoints.openai.tool_parsers import get_tool_parser
 
         ctx.tool_parser = get_tool_parser(args.tool_call_parser)
+    if getattr(args, "reasoning_parser", None):
+        from runtime.entrypoints.openai.reasoning import get_reasoning_parser
+
+        ctx.reasoning_parser = get_reasoning_parser(args.reasoning_parser)
+    ctx.response_role = getattr(args, "response_role", None) or "assistant"
     if getattr(args, "log_requests", False):
         ctx.request_logger = RequestLogger(getattr(args, "max_log_len", DEFAULT_MAX_LOG_LEN))
     return ctx
@@ -198,6 +205,7 @@ def build_app(args, engine) -> FastAPI:
     install_error_handlers(app)
     _add_info_routes(app, ctx)
     _add_generation_routes(app, ctx)
+    add_control_routes(app, engine)  # /start_profile, /stop_profile; /sleep, /wake_up ... in dev mode
     from runtime.plugins import get_plugin_manager
 
     get_plugin_manager().hook.register_routes(app=app)  # plugins add their own routes
@@ -240,8 +248,9 @@ class RootPathMiddleware:
 
 
 class RequestIdMiddleware:
-    """vLLM's --enable-request-id-headers: every HTTP response has X-Request-Id, the request's own if it sent one,
-    else a new random id."""
+    """vLLM's --enable-request-id-headers: every HTTP response has X-Request-Id, the request's own if it sent a
+    usable one (see ``client_request_id``), else a new random id, which the request's completion id is made of too
+    (``request.state.request_id``)."""
 
     def __init__(self, app):
         self.app = app
@@ -249,7 +258,11 @@ class RequestIdMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+        given = client_request_id(Headers(scope=scope))
+        if given is None:
+            made = uuid.uuid4().hex
+            scope.setdefault("state", {})["request_id"] = made
+        request_id = (made if given is None else given).encode()
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":

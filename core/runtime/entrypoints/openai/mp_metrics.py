@@ -2,10 +2,12 @@
 
 prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` set before it is
 imported): every process writes its samples to files in that folder, and /metrics,
-whichever process answers it, renders them all, counters and histograms summed. The
-engine's gauges (running, waiting, KV cache usage) are set by the process the engine
-sends its scheduler stats to; the others leave them at 0, so the maximum over the
-live processes is the engine's value.
+whichever process answers it, renders them all, counters and histograms summed (each
+request's in the process that served it; the engine's step counts, such as the tokens
+per step and the preemptions, in the one that gets its scheduler stats). The engine's
+gauges (running, waiting, KV cache usage, per ``engine`` label too) are set by the process
+the engine sends its scheduler stats to; the others leave them at 0, so the maximum over
+the live processes is the engine's value.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the response's prompt_token_ids (the templated prompt) and each choice's token_ids; streamed, the first
     # chunk has prompt_token_ids and each chunk of a choice its new token_ids
     return_token_ids: bool = False
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning (with --reasoning-parser) out of the reply
 
     @model_validator(mode="after")
     def _switches_from_template_kwargs(self) -> "ChatCompletionRequest":
@@ -116,12 +117,15 @@ class ChatCompletionRequest(SamplingFields):
         self.chat_template_kwargs = template_switches(self, self.chat_template_kwargs)
         return self
 
-    def echoed_text(self) -> str:
-        """What ``echo`` puts before the reply: the last message's text when its role is the reply's (the assistant,
-        or with ``add_generation_prompt`` off the last message's own), else nothing."""
+    def reply_role(self, response_role: str = "assistant") -> str:
+        """vLLM's role of the reply: the server's ``--response-role``, or with ``add_generation_prompt`` off the last
+        message's own (the reply continues it)."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed_text(self, response_role: str = "assistant") -> str:
+        """What ``echo`` puts before the reply: the last message's text when its role is the reply's, else nothing."""
         last = self.messages[-1]
-        role = "assistant" if self.add_generation_prompt else last.role
-        if not self.echo or last.role != role:
+        if not self.echo or last.role != self.reply_role(response_role):
             return ""
         return last.to_template_dict().get("content") or ""
 

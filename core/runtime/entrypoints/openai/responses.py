@@ -91,6 +91,7 @@ class ToolCallOut(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser (left out of responses without it)
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -134,6 +135,7 @@ class DeltaToolCall(_WithoutNones):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's, with --reasoning-parser (left out of chunks without it)
     tool_calls: list[DeltaToolCall] | None = None
 
 

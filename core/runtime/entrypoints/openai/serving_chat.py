@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from runtime.entrypoints.openai.errors import from_exception, param_of
 from runtime.entrypoints.openai.prompt_inputs import checked_input
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, InvalidField
+from runtime.entrypoints.openai.reasoning import Reasoning, ReasoningParser
 from runtime.entrypoints.openai.responses import (
     SSE_DONE,
     ChatChoice,
@@ -45,16 +46,17 @@ from runtime.sampling_params import SamplingParams
 class OpenAIServingChat(OpenAIServing):
     logprobs_field = "top_logprobs"
 
-    async def create_chat_completion(self, request: ChatCompletionRequest):
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request=None):
+        """``raw_request``: the HTTP request (its X-Request-Id names the completion), None where there is none."""
         model = self.check_model(request.model)
         request.check_supported()
         self._check_tool_choice(request)
         params = request.to_sampling_params(self.default_max_tokens())
         self.ctx.limits.check_n(request.n)
         prompt = await asyncio.to_thread(self._checked_prompt, request, params)  # templating and tokenizing
-        request_id = self.new_request_id("chatcmpl")
+        request_id, engine_request_id = self.request_ids("chatcmpl", raw_request)
         try:
-            first, rest = await self.start(prompt, params, request_id, request.priority)
+            first, rest = await self.start(prompt, params, engine_request_id, request.priority)
         except ValueError as exc:
             raise structured_output_error(exc, params, request.structured_output_param()) from None
         stream = prepend(first, rest)
@@ -70,6 +72,9 @@ class OpenAIServingChat(OpenAIServing):
 
     def _json_response(self, request: ChatCompletionRequest, model: str, request_id: str, final) -> JSONResponse:
         body = self._response(request, model, request_id, final).model_dump()
+        if self.ctx.reasoning_parser is None:  # the field comes with --reasoning-parser only, as before it
+            for choice in body["choices"]:
+                del choice["message"]["reasoning_content"]
         if request.prompt_logprobs is not None:  # vLLM's
             body["prompt_logprobs"] = self.prompt_logprobs_field(final.prompt_logprobs)
         if request.return_token_ids:  # vLLM's: the prompt's ids, and each choice's
@@ -101,6 +106,14 @@ class OpenAIServingChat(OpenAIServing):
         if mode == "required":
             return RequiredToolCalls()
         return self.ctx.tool_parser(self.tokenizer)
+
+    def reasoning_reader(self, request: ChatCompletionRequest) -> ReasoningParser | None:
+        """A fresh reader of one choice's reasoning, or None without ``--reasoning-parser``. A grammar (structured
+        output, tool_choice "required" or named) constrains the output from its first token here (vLLM starts it
+        after the reasoning), so such an output holds reasoning only where it writes the start tag itself."""
+        if self.ctx.reasoning_parser is None:
+            return None
+        return self.ctx.reasoning_parser(self.tokenizer, explicit_only=request.structured_output_field() is not None)
 
     def render_prompt(self, request: ChatCompletionRequest) -> dict:
         """The templated conversation as ``{"prompt_token_ids", "prompt"}`` (no second BOS)."""
@@ -138,12 +151,18 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         assert final is not None and final.finished, "a chat stream ended unfinished"
         choices = []
-        echoed = request.echoed_text()
+        role = request.reply_role(self.ctx.response_role)
+        echoed = request.echoed_text(self.ctx.response_role)
         for output in final.outputs:
-            message, finish_reason = ChatMessageOut(content=echoed + output.text), output.finish_reason
+            splitter = self.reasoning_reader(request)
+            reasoning, text = (None, output.text) if splitter is None else splitter.extract_reasoning(output.text)
+            reasoning = reasoning if request.include_reasoning else None
+            content = echoed + (text or "") if echoed or splitter is None else text
+            message = ChatMessageOut(role=role, content=content, reasoning_content=reasoning)
+            finish_reason = output.finish_reason
             reader = self.tool_call_reader(request)
-            if reader is not None:
-                content, calls = reader.extract_tool_calls(output.text)
+            if reader is not None:  # tool calls are read in the content only, not in the reasoning
+                content, calls = reader.extract_tool_calls(text or "")
                 if request.parallel_tool_calls is False:  # OpenAI's: then a message has at most one call
                     calls = calls[:1]
                 tool_calls = [
@@ -151,7 +170,7 @@ class OpenAIServingChat(OpenAIServing):
                     for call in calls
                 ]
                 content = echoed + (content or "") if echoed else content
-                message = ChatMessageOut(content=content, tool_calls=tool_calls)
+                message = ChatMessageOut(role=role, content=content, reasoning_content=reasoning, tool_calls=tool_calls)
                 finish_reason = _finish_reason(request, finish_reason, bool(calls))
             choices.append(ChatChoice(
                 index=output.index,
@@ -192,24 +211,27 @@ class OpenAIServingChat(OpenAIServing):
         num_generated = 0
         continuous = request.continuous_usage
         readers = {index: self.tool_call_reader(request) for index in range(request.n)}
+        splitters = {index: self.reasoning_reader(request) for index in range(request.n)}
         chunks = StreamChunks(request_id, model, "chat.completion.chunk")
         # vLLM's return_token_ids: the prompt's ids come with the first chunk of each choice
         first_fields = {"prompt_token_ids": list(prompt_token_ids or ())} if request.return_token_ids else {}
         try:
+            role = request.reply_role(self.ctx.response_role)
             for index in range(request.n):
-                role = ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-                yield chunks.event([role.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None, **first_fields)
-            echoed = request.echoed_text()
+                opening = ChatStreamChoice(index=index, delta=DeltaMessage(role=role, content=""))
+                yield chunks.event([self._dump(opening)], UsageInfo.of(num_prompt, 0) if continuous else None, **first_fields)
+            echoed = request.echoed_text(self.ctx.response_role)
             for index in range(request.n if echoed else 0):
                 echo = ChatStreamChoice(index=index, delta=DeltaMessage(content=echoed))
-                yield chunks.event([echo.model_dump()], UsageInfo.of(num_prompt, 0) if continuous else None)
+                yield chunks.event([self._dump(echo)], UsageInfo.of(num_prompt, 0) if continuous else None)
             generated = dict.fromkeys(range(request.n), 0)  # per choice: continuous usage is per choice, as vLLM's
             async for output in stream:
                 num_prompt = len(output.prompt_token_ids or ())
                 for completion in output.outputs:
                     num_generated += len(completion.token_ids)
                     generated[completion.index] = generated.get(completion.index, 0) + len(completion.token_ids)
-                    choice = self._stream_choice(request, completion, readers.get(completion.index))
+                    choice = self._stream_choice(request, completion, readers.get(completion.index),
+                                                 splitters.get(completion.index))
                     if choice is not None:
                         usage = UsageInfo.of(num_prompt, generated[completion.index]) if continuous else None
                         yield chunks.event([choice], usage)
@@ -221,26 +243,41 @@ class OpenAIServingChat(OpenAIServing):
             await stream.aclose()
         yield SSE_DONE
 
+    def _dump(self, choice: ChatStreamChoice) -> dict:
+        """``choice`` as a dict, its delta without reasoning_content where the server has no --reasoning-parser."""
+        body = choice.model_dump()
+        if self.ctx.reasoning_parser is None:
+            del body["delta"]["reasoning_content"]
+        return body
+
     def _stream_choice(
-        self, request: ChatCompletionRequest, completion: CompletionOutput, reader: ToolParser | None = None
+        self, request: ChatCompletionRequest, completion: CompletionOutput, reader: ToolParser | None = None,
+        splitter: ReasoningParser | None = None,
     ) -> dict | None:
         """The streamed choice (a dict as ``ChatStreamChoice`` dumps, with vLLM's ``token_ids`` where the request
         asks for them) of one new output; None for nothing new."""
         has_ids = request.return_token_ids and bool(completion.token_ids)  # ids without text are still sent
+        text, reasoning = completion.text, None
+        if splitter is not None:
+            reasoning, text = _split_streamed(splitter, completion)
+            reasoning = reasoning if request.include_reasoning else None
         if reader is None and not request.logprobs:  # the common case, without building models
-            if not completion.text and completion.finish_reason is None and not has_ids:
+            if not text and not reasoning and completion.finish_reason is None and not has_ids:
                 return None
+            delta = {"role": None, "content": text or None, "tool_calls": None}
+            if splitter is not None:
+                delta = {"role": None, "content": text or None, "reasoning_content": reasoning, "tool_calls": None}
             choice = {
-                "index": completion.index, "delta": {"role": None, "content": completion.text or None, "tool_calls": None},
+                "index": completion.index, "delta": delta,
                 "logprobs": None, "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
             }
             if request.return_token_ids:
                 choice["token_ids"] = completion.token_ids
             return choice
         logprobs = self._logprobs(request, completion) if completion.token_ids else None
-        content, tool_calls, finish_reason = completion.text, None, completion.finish_reason
-        if reader is not None:
-            content, deltas = reader.extract_tool_calls_streaming(completion.text)
+        content, tool_calls, finish_reason = text, None, completion.finish_reason
+        if reader is not None:  # tool calls are read in the content only, not in the reasoning
+            content, deltas = reader.extract_tool_calls_streaming(text or "")
             if finish_reason is not None:
                 tail, last = reader.finish()
                 content = (content or "") + (tail or "") or None
@@ -249,19 +286,21 @@ class OpenAIServingChat(OpenAIServing):
             if request.parallel_tool_calls is False:  # only the first call, as the unary response keeps
                 deltas = [d for d in deltas if d.index == 0]
             tool_calls = [_delta_tool_call(d) for d in deltas] or None
-        if not content and tool_calls is None and logprobs is None and finish_reason is None and not has_ids:
+        if not content and not reasoning and tool_calls is None and logprobs is None and finish_reason is None \
+                and not has_ids:
             return None
-        if content or tool_calls or logprobs:
-            delta = DeltaMessage(content=content or None if reader is not None else content, tool_calls=tool_calls)
+        if content or tool_calls or logprobs or reasoning:
+            content = content or None if reader is not None or splitter is not None else content
+            delta = DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=tool_calls)
         else:
             delta = DeltaMessage()
-        choice = ChatStreamChoice(
+        choice = self._dump(ChatStreamChoice(
             index=completion.index,
             delta=delta,
             logprobs=logprobs,
             finish_reason=finish_reason,
             stop_reason=completion.stop_reason,
-        ).model_dump()
+        ))
         if request.return_token_ids:
             choice["token_ids"] = completion.token_ids
         return choice
@@ -271,6 +310,15 @@ def _finish_reason(request: ChatCompletionRequest, finish_reason: str | None, ca
     """OpenAI's "tool_calls" for an output that ended normally with calls the model chose to make (tool_choice
     "auto" or "required"); a named tool_choice ends with "stop", as OpenAI's API and vLLM answer."""
     return "tool_calls" if called and finish_reason == "stop" and request.named_tool() is None else finish_reason
+
+
+def _split_streamed(splitter: ReasoningParser, completion: CompletionOutput) -> Reasoning:
+    """The reasoning and content of a choice's new text; at its end, with what the splitter held back."""
+    reasoning, content = splitter.extract_reasoning_streaming(completion.text)
+    if completion.finish_reason is None:
+        return Reasoning(reasoning, content)
+    tail = splitter.finish()
+    return Reasoning((reasoning or "") + (tail.reasoning or "") or None, (content or "") + (tail.content or "") or None)
 
 
 def _delta_tool_call(delta: ToolCallDelta) -> DeltaToolCall:

@@ -33,7 +33,8 @@ from runtime.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, request: CompletionRequest):
+    async def create_completion(self, request: CompletionRequest, raw_request=None):
+        """``raw_request``: the HTTP request (its X-Request-Id names the completion), None where there is none."""
         model = self.check_model(request.model)
         request.check_supported()
         params = request.to_sampling_params(self.default_max_tokens())
@@ -41,9 +42,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.ctx.limits.check_n(request.n, len(prompts))
         max_tokens_param = "max_tokens" if request.asks_max_tokens() else None
         inputs = await asyncio.to_thread(tokenize_prompts, self.engine.input_processor, prompts, params, max_tokens_param)
-        request_id = self.new_request_id("cmpl")
+        request_id, engine_request_id = self.request_ids("cmpl", raw_request)
         try:
-            started = await self.start_all(inputs, params, request_id, request.priority)
+            started = await self.start_all(inputs, params, engine_request_id, request.priority)
         except ValueError as exc:
             raise structured_output_error(exc, params, request.structured_output_param()) from None
         streams = [prepend(first, rest) for first, rest in started]

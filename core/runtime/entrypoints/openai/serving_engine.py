@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import secrets
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +19,12 @@ from runtime.sampling_params import SamplingParams
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 
+# An X-Request-Id is used as the request's id (as vLLM) when it is 1 to 256 printable ASCII characters. vLLM takes
+# any string; a longer or non-ASCII one is ignored here, as a malformed W3C traceparent is, so that log lines and
+# echoed headers stay short and readable: the request gets an id of its own.
+MAX_CLIENT_REQUEST_ID_LEN = 256
+_CLIENT_REQUEST_ID = re.compile(rf"[\x20-\x7e]{{1,{MAX_CLIENT_REQUEST_ID_LEN}}}")
+
 
 @dataclass
 class ServingContext:
@@ -29,6 +37,9 @@ class ServingContext:
     # --enable-auto-tool-choice with --tool-call-parser: the parser class reading tool_choice "auto"
     # outputs; None: "auto" is refused
     tool_parser: type | None = None
+    # --reasoning-parser: the parser class splitting chat outputs into reasoning_content and content; None: no split
+    reasoning_parser: type | None = None
+    response_role: str = "assistant"  # --response-role: the role of the reply in chat responses
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say gets
 
     @property
@@ -72,8 +83,18 @@ class OpenAIServing:
         return self.engine.model_config.default_sampling_params.get("max_tokens")
 
     @staticmethod
-    def new_request_id(prefix: str) -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+    def request_ids(prefix: str, raw_request=None) -> tuple[str, str]:
+        """(response id, engine request id) of a request. As vLLM: ``{prefix}-{X-Request-Id}`` where the client sent
+        a usable one, and the engine's id adds a random suffix to it (two requests in flight may send the same
+        header; aborting one must not touch the other). Otherwise both are ``{prefix}-{id}``, the id being the one
+        ``RequestIdMiddleware`` answered with, else a new random one."""
+        client_id = None if raw_request is None else client_request_id(raw_request.headers)
+        if client_id is not None:
+            response_id = f"{prefix}-{client_id}"
+            return response_id, f"{response_id}-{secrets.token_hex(8)}"
+        made = None if raw_request is None else getattr(raw_request.state, "request_id", None)
+        response_id = f"{prefix}-{made or uuid.uuid4().hex}"
+        return response_id, response_id
 
     async def start(
         self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int = 0
@@ -145,6 +166,12 @@ class OpenAIServing:
             str(token_id): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": self.token_text(token_id, lp)}
             for token_id, lp in position.items()
         } for position in prompt_logprobs]
+
+
+def client_request_id(headers) -> str | None:
+    """The X-Request-Id of ``headers`` (a case-insensitive mapping) if it is usable as an id, else None."""
+    value = headers.get("x-request-id")
+    return value if value is not None and _CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
 def model_not_found(name: str, served_model_names: list[str]) -> OpenAIError:

@@ -1,0 +1,81 @@
+"""Reasoning parsers: split a model's text into its reasoning and its answer (``--reasoning-parser NAME``).
+
+The chat API returns the reasoning in ``message.reasoning_content`` (streamed: ``delta.reasoning_content``)
+and the rest in ``content``. :meth:`ReasoningParser.extract_reasoning` reads a whole output; the
+streaming side is stateful, one parser per choice: :meth:`ReasoningParser.extract_reasoning_streaming`
+gets each new piece of text and returns what can be told apart so far, and :meth:`ReasoningParser.finish`
+flushes what was held back (a piece that might have been the start of a tag).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar, NamedTuple
+
+
+class Reasoning(NamedTuple):
+    """A split of some text: None where a part is empty."""
+
+    reasoning: str | None
+    content: str | None
+
+
+def join(pieces: list[str]) -> str | None:
+    return "".join(pieces) or None
+
+
+class ReasoningParser:
+    """Base class of reasoning parsers; subclasses set ``name`` and implement the three methods.
+
+    ``explicit_only``: reasoning only where the output marks it itself (a parser that otherwise assumes the
+    output starts inside the reasoning, as deepseek_r1 does, then reads an unmarked output as content). The
+    server sets it for outputs that a grammar constrains from their first token.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, tokenizer=None, explicit_only: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.explicit_only = explicit_only
+
+    def extract_reasoning(self, text: str) -> Reasoning:
+        """The reasoning and the content of a whole output."""
+        raise NotImplementedError
+
+    def extract_reasoning_streaming(self, delta_text: str) -> Reasoning:
+        """The reasoning and content that ``delta_text`` (the output's next piece) allows."""
+        raise NotImplementedError
+
+    def finish(self) -> Reasoning:
+        """At the end of the output: what was held back."""
+        return Reasoning(None, None)
+
+
+_PARSERS: dict[str, type[ReasoningParser]] = {}
+
+
+def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
+    """Class decorator: make a parser available as ``--reasoning-parser NAME``."""
+
+    def wrap(cls: type[ReasoningParser]) -> type[ReasoningParser]:
+        if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)):
+            raise TypeError(f"reasoning parser {name!r} must subclass ReasoningParser, got {cls!r}")
+        if name in _PARSERS and _PARSERS[name] is not cls:
+            raise ValueError(f"a reasoning parser named {name!r} is already registered ({_PARSERS[name].__qualname__})")
+        cls.name = name
+        _PARSERS[name] = cls
+        return cls
+
+    return wrap
+
+
+def reasoning_parser_names() -> list[str]:
+    return sorted(_PARSERS)
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    """The parser class registered as ``name``; ValueError listing the valid names otherwise."""
+    try:
+        return _PARSERS[name]
+    except KeyError:
+        raise ValueError(f"unknown reasoning parser {name!r}; valid: {', '.join(reasoning_parser_names())}") from None
