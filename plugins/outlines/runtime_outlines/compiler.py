@@ -10,8 +10,11 @@ through outlines-core's ``build_regex_from_schema``, choices as an escaped alter
 JSON object through a bounded-depth generic regex). Compiling builds the outlines-core
 ``Index`` (the token-level automaton over the tokenizer's vocabulary), the expensive part.
 
-Before outlines-core sees a JSON schema, sub-schemas it gets wrong or makes huge are swapped
-for placeholder consts whose literal is then replaced in its regex by our own: bounded
+Before outlines-core sees a JSON schema, its ``$ref`` are written out in place
+(:mod:`runtime_outlines.schema_refs`) and its combinators and boolean sub-schemas rewritten into
+schemas outlines-core follows exactly, each ``oneOf`` checked to be one
+(:mod:`runtime_outlines.schema_merge`, :mod:`runtime_outlines.schema_oneof`). Then sub-schemas it
+gets wrong or makes huge are swapped for placeholder consts whose literal is then replaced in its regex by our own: bounded
 ``integer``/``number`` schemas (outlines-core 0.2.14 ignores minimum/maximum; see
 :mod:`runtime_outlines.numbers`), ``format`` strings and patterns that could match unescaped quotes
 (:mod:`runtime_outlines.schema_features`, which also refuses the keywords outlines-core ignores, such as
@@ -41,7 +44,8 @@ from dataclasses import dataclass
 from runtime.structured_output import GuidedKind
 from runtime_outlines.numbers import bounded_number_regex, replace_subschemas, subschema_depth
 from runtime_outlines.schema_features import check_supported, enum_schema, format_regex, pattern_schema
-from runtime_outlines.schema_refs import check_not_recursive
+from runtime_outlines.schema_merge import normalize
+from runtime_outlines.schema_refs import inline_refs
 
 # Whitespace allowed between JSON tokens: at most one space or newline. An unbounded pattern
 # (``[ \n\t]*``) lets small models emit whitespace forever, and pretty-printing indentation
@@ -98,6 +102,16 @@ def json_object_regex(whitespace: str = DEFAULT_WHITESPACE, depth: int = JSON_OB
     for _ in range(depth - 1):
         value = f"(?:{value}|{obj(value)}|{arr(value)})"
     return f"(?:{value}|{obj(value)}|{arr(value)})" if any_value else obj(value)
+
+
+def validator_for(schema: dict):
+    """The jsonschema validator class of ``schema``'s ``$schema`` (draft 2020-12 by default)."""
+    from jsonschema.validators import Draft202012Validator, validator_for as find
+
+    try:
+        return find(schema, default=Draft202012Validator)
+    except Exception:  # a $schema that is not a URI string
+        return Draft202012Validator
 
 
 def _strip_anchors(regex: str) -> str:
@@ -227,8 +241,19 @@ class SpecCompiler:
                 f"the JSON schema nests sub-schemas {depth} levels deep; the outlines backend compiles at most "
                 f"{MAX_SCHEMA_DEPTH} (its automaton grows exponentially with nesting)"
             )
-        check_supported(schema)
-        check_not_recursive(schema)
+        check_supported(schema, keywords_only=True)
+        validator_class = validator_for(schema)
+        schema = inline_refs(schema)
+        depth = subschema_depth(schema)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"the JSON schema nests sub-schemas {depth} levels deep once its $refs are written out; the outlines "
+                f"backend compiles at most {MAX_SCHEMA_DEPTH} (its automaton grows exponentially with nesting)"
+            )
+        schema = normalize(schema, validator_class)
+        if schema == {}:
+            return json_object_regex(self.whitespace_pattern)
+        check_supported(schema)  # again: merged sub-schemas may combine keywords outlines-core ignores
         if _is_generic_object(schema):
             return json_object_regex(self.whitespace_pattern)  # outlines-core's generic object is huge
         generic_object = json_object_regex(self.whitespace_pattern, NESTED_JSON_OBJECT_DEPTH)
@@ -242,7 +267,7 @@ class SpecCompiler:
             if (node.get("type") == "object" and node.get("additionalProperties") is False
                     and not isinstance(node.get("properties"), dict)):
                 return {**node, "properties": {}}  # no fields at all: outlines-core needs the empty map
-            listed = enum_schema(node)  # the values of an enum/const that the rest of its schema allows
+            listed = enum_schema(node, validator_class)  # the values of an enum/const that the rest of its schema allows
             literal = literal_values_regex(listed or node)
             if literal is not None:
                 return literal

@@ -3,14 +3,16 @@
 ``build_regex_from_schema`` silently ignores many keywords, so a schema using them would constrain
 nothing (``multipleOf``, ``uniqueItems``, ``contains``, ``minProperties`` ...), and some it turns
 into regexes whose matches are not valid JSON or not valid for the schema: ``allOf`` of two
-objects becomes two objects back to back, and ``format`` strings use ``\\d`` (any Unicode digit in
-Rust regex syntax: ``"๐4১௮-06-16"`` was a ``date``), years of any length, optional time zones, and
-classes such as ``[^\\s:@]`` that let a ``uri`` or ``email`` hold a bare ``"``.
+objects becomes two objects back to back (:mod:`runtime_outlines.schema_merge` merges them), and
+``format`` strings use ``\\d`` (any Unicode digit in Rust regex syntax: ``"๐4১௮-06-16"`` was a
+``date``), years of any length, optional time zones, and classes such as ``[^\\s:@]`` that let a
+``uri`` or ``email`` hold a bare ``"``.
 
 :func:`check_supported` raises ValueError naming the first such feature and where it is;
 :func:`format_regex` gives the regex (quotes included) of a ``date``, ``time``, ``date-time``,
 ``email`` or ``uri`` string, in ASCII, matching only values that RFC 3339 / JSON Schema's format
-checkers accept, for :func:`runtime_outlines.numbers.replace_subschemas`.
+checkers accept, for :func:`runtime_outlines.numbers.replace_subschemas`, as :func:`pattern_schema`
+does for patterns and :func:`enum_schema` for the values an ``enum``/``const`` lists.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ _IGNORED = {
     "dependentRequired": "dependentRequired",
     "dependentSchemas": "dependentSchemas",
     "dependencies": "dependencies",
+    "not": "not",
 }
 
 
@@ -66,15 +69,17 @@ def format_regex(node: Any) -> str | None:
     return None if regex is None else f'"{regex}"'
 
 
-def check_supported(schema: Any) -> None:
+def check_supported(schema: Any, *, keywords_only: bool = False) -> None:
     """Raise ValueError naming the first feature of ``schema`` that the outlines backend would not
-    enforce (see the module docstring), and the sub-schema's path."""
+    enforce (see the module docstring), and the sub-schema's path. ``keywords_only``: check only the
+    keywords refused wherever they are (before $refs are inlined and combinators merged, when a branch
+    may still list a required property that its siblings define)."""
     stack = [(schema, "#")]
     while stack:
         node, path = stack.pop()
         if not isinstance(node, dict):
             continue
-        problem = _problem(node)
+        problem = _keyword_problem(node) if keywords_only else _keyword_problem(node) or _problem(node)
         if problem is not None:
             raise ValueError(f"{problem} (at {path}) is not supported by the outlines guided decoding backend")
         stack.extend((child, f"{path}/{key}") for key, child in subschemas(node))
@@ -86,7 +91,7 @@ _ANNOTATIONS = {"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$c
                 "default", "examples", "deprecated", "readOnly", "writeOnly"}
 
 
-def _problem(node: dict) -> str | None:
+def _keyword_problem(node: dict) -> str | None:
     for key in ("enum", "anyOf", "oneOf", "type"):
         if node.get(key) == []:
             return f"an empty {key} list (no value can match it)"
@@ -95,13 +100,16 @@ def _problem(node: dict) -> str | None:
         if beside:
             return f"$ref together with {', '.join(beside)} (outlines-core would drop them)"
     if "enum" in node or "const" in node:
-        return None  # the listed values are the output: other keywords add nothing outlines-core uses
+        return None  # the listed values are the output, each checked against the rest (enum_schema)
     for key, name in _IGNORED.items():
         if key in node and not _trivial(key, node):
             return name
-    all_of = node.get("allOf")
-    if isinstance(all_of, list) and len(all_of) > 1:
-        return "allOf with more than one sub-schema"
+    return None
+
+
+def _problem(node: dict) -> str | None:
+    if "enum" in node or "const" in node:
+        return None
     if node.get("uniqueItems") is True and not (isinstance(node.get("maxItems"), int) and node["maxItems"] <= 1):
         return "uniqueItems"
     for key in ("pattern", "format"):
@@ -121,7 +129,7 @@ def _trivial(key: str, node: dict) -> bool:
     value = node[key]
     if key == "multipleOf":
         return value == 1 and not isinstance(value, bool) and node.get("type") == "integer"
-    if key in ("contains", "minContains", "maxContains", "if", "then", "else"):
+    if key in ("contains", "minContains", "maxContains", "if", "then", "else", "not"):
         return False
     return value is True or (isinstance(value, dict) and not value)
 
@@ -147,62 +155,31 @@ def _object_problem(node: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------- enum and const
-_JSON_TYPES = {
-    "null": lambda v: v is None,
-    "boolean": lambda v: isinstance(v, bool),
-    "string": lambda v: isinstance(v, str),
-    "array": lambda v: isinstance(v, list),
-    "object": lambda v: isinstance(v, dict),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "integer": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer(),
-}
-# Keywords checked against each listed value, by the type of value they apply to.
-_VALUE_CHECKS = {
-    "minimum": (("number",), lambda v, b: v >= b),
-    "maximum": (("number",), lambda v, b: v <= b),
-    "exclusiveMinimum": (("number",), lambda v, b: v > b),
-    "exclusiveMaximum": (("number",), lambda v, b: v < b),
-    "minLength": (("string",), lambda v, b: len(v) >= b),
-    "maxLength": (("string",), lambda v, b: len(v) <= b),
-}
-
-
-def enum_schema(node: Any) -> dict | None:
-    """For :func:`runtime_outlines.numbers.replace_subschemas`: an ``enum``/``const`` schema with its
-    ``type``, bounds and lengths (which outlines-core ignores there, writing every listed value) applied
-    to the listed values, as ``{"enum": values kept}``; ValueError where no value is left; None for any
-    other schema and where every value is kept."""
+def enum_schema(node: Any, validator_class=None) -> dict | None:
+    """For :func:`runtime_outlines.numbers.replace_subschemas`: an ``enum``/``const`` schema whose other
+    keywords (which outlines-core ignores there, writing every listed value) are applied to the listed
+    values with jsonschema (``validator_class``, formats checked too), as ``{"enum": values kept}``;
+    ValueError where no value is left; None for any other schema and where every value is kept."""
     if not isinstance(node, dict) or not {"enum", "const"} & set(node):
         return None
     values = node["enum"] if "enum" in node else [node["const"]]
     if not isinstance(values, list):
         return None  # outlines-core names a malformed enum itself
-    if "const" in node:
-        values = [node["const"]] if any(_same_json(node["const"], v) for v in values) else []
-    kept = [value for value in values if _value_allowed(node, value)]
+    from jsonschema import Draft202012Validator, SchemaError
+
+    validator_class = validator_class or Draft202012Validator
+    try:
+        validator_class.check_schema(node)
+    except SchemaError as exc:
+        raise ValueError(f"the schema of the enum/const {_short_json(values)} is malformed: {exc.message}") from None
+    validator = validator_class(node, format_checker=validator_class.FORMAT_CHECKER)
+    kept = [value for value in values if validator.is_valid(value)]
     if not kept:
         if "const" in node:
             raise ValueError(f"the const {_short_json(node['const'])} does not satisfy the rest of its schema")
         raise ValueError(f"no value of the enum {_short_json(values)} satisfies the rest of its schema")
     both = "const" in node and "enum" in node  # outlines-core would follow one of them
     return None if len(kept) == len(values) and not both else {"enum": kept}
-
-
-def _same_json(a: Any, b: Any) -> bool:
-    return a == b and type(a) is type(b) or (_JSON_TYPES["number"](a) and _JSON_TYPES["number"](b) and a == b)
-
-
-def _value_allowed(node: dict, value: Any) -> bool:
-    types = node.get("type")
-    types = [types] if isinstance(types, str) else types
-    if isinstance(types, list) and not any(_JSON_TYPES.get(t, lambda v: True)(value) for t in types):
-        return False
-    for key, (kinds, check) in _VALUE_CHECKS.items():
-        bound = node.get(key)
-        if isinstance(bound, (int, float)) and not isinstance(bound, bool) and _JSON_TYPES[kinds[0]](value):
-            if not check(value, bound):
-                return False
-    return True
 
 
 def _short_json(value: Any) -> str:
@@ -218,19 +195,56 @@ _JSON_UNSAFE = r'"\\\x00-\x1F'
 def pattern_schema(node: Any) -> dict | None:
     """For :func:`runtime_outlines.numbers.replace_subschemas`: a string schema whose ``pattern``
     could match ``"``, ``\\`` or a control character (outlines-core writes them into the JSON string
-    unescaped: ``.{2}`` gave ``"a""``) with ``.`` and negated classes kept off them; ValueError where
-    the pattern names such a character itself; None for any other schema."""
+    unescaped: ``.{2}`` gave ``"a""``) with ``.`` and negated classes kept off them, and ``\\d``, ``\\w``,
+    ``\\s`` kept to the characters every validator agrees on (:func:`_common_shorthands`); ValueError
+    where the pattern names such a character itself; None for any other schema."""
     if not isinstance(node, dict) or not isinstance(node.get("pattern"), str) or {"enum", "const"} & set(node):
         return None
-    pattern = node["pattern"]
+    given = node["pattern"]
+    pattern = _common_shorthands(given)
     grouped = _grouped(pattern)
     if not _may_match_unsafe(pattern):
-        return None if grouped == pattern else {**node, "pattern": grouped}
+        return None if grouped == given else {**node, "pattern": grouped}
     safe = _exclude_unsafe(pattern)
     if _may_match_unsafe(safe):
-        raise ValueError(f"the pattern {pattern!r} can match '\"', '\\' or a control character, which the outlines "
+        raise ValueError(f"the pattern {given!r} can match '\"', '\\' or a control character, which the outlines "
                          "guided decoding backend cannot escape in a JSON string")
     return {**node, "pattern": _grouped(safe)}
+
+
+# What ``\d``, ``\w``, ``\s`` match in every validator's regex flavour: ECMA-262's (JSON Schema's: ASCII
+# digits and word characters), Python's and Rust's (outlines-core's: Unicode, so ``\w`` wrote "‿", which
+# Python's ``\w`` refuses, and ``\d`` "๑"). ``\s`` without the control characters a JSON string escapes.
+_SHORTHANDS = {"d": "0-9", "w": "A-Za-z0-9_",
+               "s": " \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"}
+
+
+def _common_shorthands(pattern: str) -> str:
+    """``pattern`` with ``\\d``, ``\\w``, ``\\s`` written as the classes of :data:`_SHORTHANDS`, outside
+    character classes and inside those not negated (where the Unicode ones exclude more: kept)."""
+    out, i, in_class, negated = [], 0, False, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            letter = pattern[i + 1:i + 2]
+            if letter in _SHORTHANDS and not negated:
+                out.append(_SHORTHANDS[letter] if in_class else f"[{_SHORTHANDS[letter]}]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            negated = pattern[i + 1:i + 2] == "^"
+            start = i + 1 + negated
+            start += pattern[start:start + 1] == "]"  # a leading ] is a literal
+            out.append(pattern[i:start])
+            in_class, i = True, start
+            continue
+        if ch == "]" and in_class:
+            in_class = negated = False
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def _grouped(pattern: str) -> str:
