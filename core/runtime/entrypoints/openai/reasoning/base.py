@@ -9,8 +9,9 @@ flushes what was held back (a piece that might have been the start of a tag).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import ClassVar, NamedTuple
+
+from runtime.entrypoints.openai.parser_registry import ParserRegistry
 
 
 class Reasoning(NamedTuple):
@@ -51,31 +52,7 @@ class ReasoningParser:
         return Reasoning(None, None)
 
 
-_PARSERS: dict[str, type[ReasoningParser]] = {}
-
-
-def register_reasoning_parser(name: str) -> Callable[[type[ReasoningParser]], type[ReasoningParser]]:
-    """Class decorator: make a parser available as ``--reasoning-parser NAME``."""
-
-    def wrap(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-        if not (isinstance(cls, type) and issubclass(cls, ReasoningParser)):
-            raise TypeError(f"reasoning parser {name!r} must subclass ReasoningParser, got {cls!r}")
-        if name in _PARSERS and _PARSERS[name] is not cls:
-            raise ValueError(f"a reasoning parser named {name!r} is already registered ({_PARSERS[name].__qualname__})")
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-
-    return wrap
-
-
-def reasoning_parser_names() -> list[str]:
-    return sorted(_PARSERS)
-
-
-def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class registered as ``name``; ValueError listing the valid names otherwise."""
-    try:
-        return _PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; valid: {', '.join(reasoning_parser_names())}") from None
+_REGISTRY: ParserRegistry[type[ReasoningParser]] = ParserRegistry(ReasoningParser, "reasoning parser")
+register_reasoning_parser = _REGISTRY.register  # class decorator: ``--reasoning-parser NAME``
+reasoning_parser_names = _REGISTRY.names
+get_reasoning_parser = _REGISTRY.get

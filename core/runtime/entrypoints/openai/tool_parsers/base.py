@@ -11,10 +11,10 @@ the calls that :meth:`extract_tool_calls` returns for it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
+from runtime.entrypoints.openai.parser_registry import ParserRegistry
 from runtime.entrypoints.openai.tool_parsers.json_scan import CallScan
 
 
@@ -194,31 +194,7 @@ class ToolParser:
         return 0
 
 
-_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator: make a parser available as ``--tool-call-parser NAME``."""
-
-    def wrap(cls: type[ToolParser]) -> type[ToolParser]:
-        if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
-            raise TypeError(f"tool parser {name!r} must subclass ToolParser, got {cls!r}")
-        if name in _PARSERS and _PARSERS[name] is not cls:
-            raise ValueError(f"a tool parser named {name!r} is already registered ({_PARSERS[name].__qualname__})")
-        cls.name = name
-        _PARSERS[name] = cls
-        return cls
-
-    return wrap
-
-
-def tool_parser_names() -> list[str]:
-    return sorted(_PARSERS)
-
-
-def get_tool_parser(name: str) -> type[ToolParser]:
-    """The parser class registered as ``name``; ValueError listing the valid names otherwise."""
-    try:
-        return _PARSERS[name]
-    except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; valid: {', '.join(tool_parser_names())}") from None
+_REGISTRY: ParserRegistry[type[ToolParser]] = ParserRegistry(ToolParser, "tool call parser")
+register_tool_parser = _REGISTRY.register  # class decorator: ``--tool-call-parser NAME``
+tool_parser_names = _REGISTRY.names
+get_tool_parser = _REGISTRY.get
