@@ -27,6 +27,7 @@ class InProcessServer:
         self.args = args
         self.engine_args = engine_args_from_namespace(args, model=args.model_tag)
         self.engine = None
+        self.app = None
         self.server = None
         self.error: BaseException | None = None
         self.loop = asyncio.new_event_loop()
@@ -62,7 +63,8 @@ class InProcessServer:
 
         self.engine = await AsyncLLM.start(self.engine_args)
         try:
-            self.server = uvicorn.Server(uvicorn_config(build_app(self.args, self.engine), self.args))
+            self.app = build_app(self.args, self.engine)
+            self.server = uvicorn.Server(uvicorn_config(self.app, self.args))
             await self.server.serve()
         finally:
             await self.engine.shutdown()
@@ -88,18 +90,30 @@ class InProcessServer:
                 "ids_only_final": len(output_processor._ids_only_final),
                 "metrics_requests": len(engine.metrics._times),
                 "metrics_parents": len(engine.metrics._parents),
+                "stat_logger_prompts": len(engine.metrics.stat_logger._pending_prompts),
+                "http_in_flight": self._http_in_flight(),
             }
 
         return self.call(count)
 
-    def metric(self, name: str) -> float:
+    def _http_in_flight(self) -> int:
+        """Requests holding a slot of --max-concurrent-requests (0 without the limit)."""
+        from runtime.entrypoints.openai.middleware import ConcurrencyLimitMiddleware
+
+        layer = self.app.middleware_stack  # built at the first request
+        while layer is not None and not isinstance(layer, ConcurrencyLimitMiddleware):
+            layer = getattr(layer, "app", None)
+        return 0 if layer is None else layer.in_flight
+
+    def metric(self, name: str, **labels) -> float:
+        """A /metrics sample of this server (``labels``: those besides model_name)."""
         from prometheus_client.parser import text_string_to_metric_families
 
         for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=10).text):
             for sample in family.samples:
-                if sample.name == name and not set(sample.labels) - {"model_name"}:
+                if sample.name == name and {k: v for k, v in sample.labels.items() if k != "model_name"} == labels:
                     return sample.value
-        raise KeyError(name)
+        raise KeyError(f"no sample {name}{labels} in /metrics")
 
     def is_idle(self) -> bool:
         """The engine reports nothing running, nothing waiting and no KV block in use; the front end tracks nothing."""

@@ -42,6 +42,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config)
         self._ids = itertools.count()
+        self._held_outputs: list[RequestOutput] = []  # outputs of a step that raised a request's failure
+        self._failures: list[tuple[str, Exception]] = []  # (engine request id, failure) of one step not raised yet
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -80,21 +82,31 @@ class LLMEngine:
 
     def abort_request(self, request_ids) -> None:
         ids = self.output_processor.abort_requests(list(request_ids))
+        if self._failures or self._held_outputs:  # what a failure's step kept of them is dropped too
+            gone = set(ids) | set(request_ids)
+            self._failures = [failure for failure in self._failures if failure[0] not in gone]
+            self._held_outputs = [output for output in self._held_outputs if output.request_id not in gone]
         self.engine_core.abort_requests(ids if ids is not None else request_ids)
         if self.metrics is not None:
             self.metrics.end_requests(ids if ids is not None else request_ids, "abort")
 
     def step(self) -> list[RequestOutput]:
         """One engine step; raises ValueError when the core failed a request for its input (a grammar that does
-        not compile), RequestFailedError when for the server's sake (a KV transfer that failed)."""
+        not compile), RequestFailedError when for the server's sake (a KV transfer that failed). The other
+        requests' outputs of that step come with the next call, and several failures of one step are raised
+        one per call."""
+        if self._failures:
+            raise self._failures.pop(0)[1]
         outputs = self.engine_core.step()
         if outputs.failed:
             self.output_processor.abort_requests(list(outputs.failed))
             if self.metrics is not None:
                 self.metrics.end_requests(list(outputs.failed), "error")
-            request_id, message = next(iter(outputs.failed.items()))
-            failure = RequestFailure(request_id, f"request {request_id}: {message}", request_id in (outputs.server_failed or ()))
-            raise failure.error()
+            server_failed = outputs.server_failed or ()
+            self._failures = [
+                (request_id, RequestFailure(request_id, f"request {request_id}: {message}", request_id in server_failed).error())
+                for request_id, message in outputs.failed.items()
+            ]
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.new_tokens)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
@@ -108,10 +120,15 @@ class LLMEngine:
         if self.metrics is not None:
             self.metrics.record(outputs)
             self.metrics.stat_logger.maybe_log()
-        return processed.request_outputs
+        held, self._held_outputs = self._held_outputs + processed.request_outputs, []
+        if self._failures:  # the others' outputs of this step wait for the next call (a finished one must not be lost)
+            self._held_outputs = held
+            raise self._failures.pop(0)[1]
+        return held
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+        return (self.output_processor.has_unfinished_requests() or self.engine_core.has_unfinished_requests()
+                or bool(self._held_outputs or self._failures))
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()

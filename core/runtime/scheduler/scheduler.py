@@ -387,7 +387,7 @@ class Scheduler:
         prefix = self.kv_cache_manager.stats
         stats = {
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
+            "num_waiting": self.get_num_unfinished_requests() - len(self.running),  # with grammar / remote KV waits, as vLLM
             "kv_cache_usage": self.kv_cache_manager.usage(),
             "prefix_cache_queries": prefix.queries,
             "prefix_cache_hits": prefix.hits,

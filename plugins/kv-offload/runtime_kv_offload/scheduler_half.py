@@ -144,6 +144,7 @@ class OffloadingConnectorScheduler:
 
     def _forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)
+        self.loaded.discard(request_id)  # its promotions came back, but it ended before it was looked up again
         self._release(self.lookups.pop(request_id, (0, []))[1])
 
     # ---------------------------------------------------------------- promotions come back
