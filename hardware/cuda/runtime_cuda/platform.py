@@ -11,6 +11,7 @@ NCCL for the rest (:mod:`runtime_cuda.collectives`).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -80,8 +81,17 @@ class CudaPlatform(GpuPlatform):
         """Record ``fn`` into a CUDA graph; the replay returns the tensor ``fn`` returned during capture."""
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=pool):
-            output = fn()
+        # A garbage collection inside the capture could finalize an engine's leftovers (graphs, events) and
+        # invalidate it; another thread's CUDA call in the default ("global") mode would too. torch.cuda.graph
+        # collects garbage on entry, so none is left for the capture itself.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                output = fn()
+        finally:
+            if collecting:
+                gc.enable()
 
         def replay() -> torch.Tensor:
             graph.replay()
