@@ -22,6 +22,35 @@ class RequestOutputKind(IntEnum):
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def _token_ids(value, name: str, allow_empty: bool) -> list[int]:
+    if not isinstance(value, (list, tuple)) or (not value and not allow_empty) or any(
+            not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in value):
+        raise ValueError(f"{name} must be a {'' if allow_empty else 'non-empty '}list of token ids, got {value!r}")
+    return list(value)
+
+
+@dataclass(slots=True)
+class ReasoningTags:
+    """The token ids that open and close a reasoning block (``<think>`` ... ``</think>``), for
+    :attr:`StructuredOutputsParams.reasoning`: the grammar constrains only the output after the block.
+
+    ``starts_in_reasoning``: the output is reasoning from its first token (the prompt opened the block)
+    until ``end_token_ids``. Otherwise the output may open the block itself: its first token may be
+    ``start_token_ids`` (when that is one token) or any first token of the grammar, which then holds at once.
+    A tag spelled over several tokens is matched as that exact id sequence.
+    """
+
+    end_token_ids: list[int]
+    start_token_ids: list[int] = field(default_factory=list)
+    starts_in_reasoning: bool = True
+
+    def __post_init__(self) -> None:
+        self.end_token_ids = _token_ids(self.end_token_ids, "reasoning.end_token_ids", False)
+        self.start_token_ids = _token_ids(self.start_token_ids, "reasoning.start_token_ids", True)
+        if not isinstance(self.starts_in_reasoning, bool):
+            raise ValueError(f"reasoning.starts_in_reasoning must be a boolean, got {self.starts_in_reasoning!r}")
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """Constrain the output (vLLM's ``StructuredOutputsParams``); set exactly one field.
@@ -29,6 +58,9 @@ class StructuredOutputsParams:
     ``json``: a JSON schema (dict or its JSON text); ``regex``: a regular expression the whole
     output matches; ``choice``: the output is one of these strings; ``grammar``: an EBNF/Lark
     grammar (where the guided backend supports it); ``json_object``: any JSON object.
+
+    ``reasoning`` (not a kind; the server sets it with ``--reasoning-parser``): the output starts with
+    a reasoning block that these tags delimit, left unconstrained; the grammar starts after it.
     """
 
     json: str | dict | None = None
@@ -36,8 +68,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    reasoning: ReasoningTags | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.reasoning, dict):
+            self.reasoning = ReasoningTags(**self.reasoning)
+        elif self.reasoning is not None and not isinstance(self.reasoning, ReasoningTags):
+            raise ValueError(f"structured_outputs.reasoning must be ReasoningTags or a dict, got {self.reasoning!r}")
         given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
@@ -161,11 +198,10 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.all_stop_token_ids) | set(self.stop_token_ids)
         if isinstance(self.structured_outputs, dict):
-            unknown = sorted(set(self.structured_outputs) - set(STRUCTURED_OUTPUT_KINDS))
+            valid = (*STRUCTURED_OUTPUT_KINDS, "reasoning")
+            unknown = sorted(set(self.structured_outputs) - set(valid))
             if unknown:
-                raise ValueError(
-                    f"structured_outputs has unknown field(s) {', '.join(unknown)}; valid: {', '.join(STRUCTURED_OUTPUT_KINDS)}"
-                )
+                raise ValueError(f"structured_outputs has unknown field(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be StructuredOutputsParams or a dict, got {self.structured_outputs!r}")

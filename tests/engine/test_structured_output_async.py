@@ -253,7 +253,7 @@ def test_rows_of_requests_ended_since_scheduling_allow_every_token():
     requests = []
     for i, grammar in enumerate(grammars):
         request = Request(str(i), [1], SamplingParams())
-        request.grammar = SimpleNamespace(grammar=grammar)  # a compiled RequestGrammar
+        request.grammar = SimpleNamespace(grammar=grammar, gate=None, constrains=True)  # a compiled RequestGrammar
         request.status = RequestStatus.RUNNING
         requests.append(request)
     rows, bitmask = manager.grammar_bitmask(requests)

@@ -101,17 +101,19 @@ def test_tool_calls_are_read_in_the_content_only(name):
 
 def test_streamed_chunks_carry_reasoning_then_content():
     deltas = streamed(serving("qwen3"), ["<think>", "Let me", " think</", "think>", "Hello"])
-    assert deltas[0] == {"role": "assistant", "content": "", "reasoning_content": None, "tool_calls": None,
-                         "finish_reason": None}
+    assert deltas[0] == {"role": "assistant", "content": "", "reasoning_content": None, "reasoning": None,
+                         "tool_calls": None, "finish_reason": None}
     assert [(d["reasoning_content"], d["content"]) for d in deltas[1:]] == [
         ("Let me", None), (" think", None), (None, "Hello")]
 
 
 def test_a_constrained_output_is_content_unless_it_writes_the_tags():
-    """The grammar holds from the first token here, so deepseek_r1 does not take a JSON answer for reasoning."""
+    """Without a tokenizer to find the tags in, the grammar holds from the first token, so deepseek_r1 does not
+    take a JSON answer for reasoning."""
     fields = dict(response_format={"type": "json_object"})
     assert unary(serving("deepseek_r1"), '{"a": 1}', **fields)["message"] == {
-        "role": "assistant", "content": '{"a": 1}', "reasoning_content": None, "tool_calls": []}
+        "role": "assistant", "content": '{"a": 1}', "refusal": None, "reasoning_content": None, "reasoning": None,
+        "tool_calls": []}
     assert unary(serving("deepseek_r1"), '<think>x</think>{"a": 1}', **fields)["message"]["reasoning_content"] == "x"
     assert unary(serving("deepseek_r1"), '{"a": 1}')["message"]["reasoning_content"] == '{"a": 1}'  # unconstrained
     deltas = streamed(serving("deepseek_r1"), ['{"a"', ": 1}"], **fields)
@@ -133,7 +135,7 @@ def test_response_role():
     assert unary(serving(), "x")["message"]["role"] == "assistant"
     messages = [*ASK, {"role": "bot", "content": "I am"}]
     choice = unary(chat, " here", messages=messages, add_generation_prompt=False, echo=True)
-    assert choice["message"] == {"role": "bot", "content": "I am here", "tool_calls": []}
+    assert choice["message"] == {"role": "bot", "content": "I am here", "refusal": None, "tool_calls": []}
     deltas = streamed(chat, [" here"], messages=messages, add_generation_prompt=False, echo=True)
     assert deltas[0]["role"] == "bot" and joined(deltas, "content") == "I am here"
 
@@ -161,3 +163,71 @@ def test_the_official_client_reads_reasoning_content(client):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me think"
     assert "".join(d.content or "" for d in deltas) == "Hello"
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------ structured output after the reasoning
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+CLOSED = "<think>\n\n</think>\n\n"  # Qwen3's template with enable_thinking false
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return tokenizer
+
+
+def test_reasoning_tags_come_from_the_tokenizer_and_the_prompt(think_tokenizer):
+    from runtime.entrypoints.openai.reasoning.grammar_start import reasoning_tags
+    from runtime.sampling_params import ReasoningTags
+
+    start, end = think_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    ask = think_tokenizer.encode("<|im_start|>assistant\n")
+    qwen3, r1 = get_reasoning_parser("qwen3"), get_reasoning_parser("deepseek_r1")
+    assert reasoning_tags(qwen3, think_tokenizer, ask) == ReasoningTags([end], [start], starts_in_reasoning=False)
+    assert reasoning_tags(r1, think_tokenizer, ask) == ReasoningTags([end], [start], starts_in_reasoning=True)
+    opened = think_tokenizer.encode("<|im_start|>assistant\n<think>\n")  # the template opened the block
+    assert reasoning_tags(qwen3, think_tokenizer, opened).starts_in_reasoning is True
+    closed = think_tokenizer.encode("<|im_start|>assistant\n" + CLOSED)  # ... or closed it: the grammar holds at once
+    assert reasoning_tags(qwen3, think_tokenizer, closed) is None and reasoning_tags(r1, think_tokenizer, closed) is None
+    answered = think_tokenizer.encode("<think>a</think>b<|im_end|>\n<|im_start|>assistant\n")  # an earlier turn's
+    assert reasoning_tags(r1, think_tokenizer, answered).starts_in_reasoning is True
+    assert reasoning_tags(r1, None, ask) is None  # no tokenizer: no tags to look for
+
+
+def test_a_constrained_output_is_read_as_the_engine_constrained_it(think_tokenizer):
+    """Where the grammar starts after the reasoning, deepseek_r1 reads the output as reasoning up to </think>;
+    where the prompt closed the block, the grammar held from the first token and the output is content."""
+    ctx = ServingContext(engine=SimpleNamespace(tokenizer=think_tokenizer), served_model_names=["m"],
+                         response_role="assistant", reasoning_parser=get_reasoning_parser("deepseek_r1"))
+    chat = OpenAIServingChat(ctx)
+    request = ChatCompletionRequest(messages=ASK, response_format={"type": "json_object"})
+    for prompt, text, expected in [
+        (think_tokenizer.encode("assistant\n"), 'x</think>{"a": 1}', ("x", '{"a": 1}')),
+        (think_tokenizer.encode("assistant\n" + CLOSED), '{"a": 1}', (None, '{"a": 1}')),
+    ]:
+        final = RequestOutput("r", None, prompt, None, [CompletionOutput(0, text, [1], None, None, "stop")], True)
+        message = json.loads(chat._json_response(request, "m", "c", final).body)["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == expected
+
+
+def test_the_grammar_starts_after_the_reasoning(client):
+    """The scripted model thinks freely, then the schema holds: JSON instead of "Hello" after </think>."""
+    import jsonschema
+
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "2+2?"}], max_tokens=40, temperature=0.0,
+                  response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.reasoning_content == "Let me think"
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me think"
+    assert "".join(d.content or "" for d in deltas) == message.content
+    # A prompt that closed the block: the grammar holds from the first token, and the answer is all content.
+    closed = [*kwargs.pop("messages"), {"role": "assistant", "content": CLOSED}]
+    choice = client.chat.completions.create(messages=closed, **kwargs, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False}).choices[0]
+    assert getattr(choice.message, "reasoning_content", None) is None
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)

@@ -65,6 +65,9 @@ def register(sub) -> None:
     parser.add_argument("--return-tokens-as-token-ids", action="store_true", default=False,
                         help='logprobs name tokens as "token_id:N" unless a request says otherwise '
                              "(its return_tokens_as_token_ids)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=False,
+                        help="usage has prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix "
+                             "cache")
     parser.add_argument("--limit-mm-per-prompt", type=json_object, default=None, metavar="JSON",
                         help="vLLM's multimodal item limits: only zeros are accepted (models here take text only)")
     _add_http_args(parser)

@@ -113,20 +113,23 @@ class EngineCore:
         A request gets at most k drafts, fewer where emitting all of them plus the target's
         own token would pass max_tokens or max_model_len, or where min_tokens would be
         reached inside the run (the sampler's stop mask is exact only before it; see
-        ``max_drafts_for_min_tokens``). Requests with a grammar (structured output) get none:
-        their drafts would have to be checked against the grammar first; nor do those with
-        bad words, whose banned tokens depend on the tokens before each position.
+        ``max_drafts_for_min_tokens``). Requests with a grammar (structured output) get none
+        where it may hold (their drafts would have to be checked against it first); in the
+        reasoning before it (a reasoning gate) a host proposer's drafts are cut before any that
+        would end the reasoning, so that the token after the end is sampled under the grammar.
+        Nor do requests with bad words get drafts: their bans depend on the tokens before each position.
         """
         from runtime.sample.rejection_sampler import max_drafts_for_min_tokens
 
         k = self.num_speculative_tokens
         max_model_len = self.scheduler.max_model_len
         requests, limits = [], []
+        worker = is_worker_proposer(self.proposer)  # drafts on the device: they cannot be cut here
         for request in self.scheduler.running:
             request.spec_token_ids = []
             if (
                 request.status != RequestStatus.RUNNING
-                or request.grammar is not None
+                or (request.grammar is not None and (worker or request.grammar.constrains))
                 or request.sampling_params.bad_words_token_ids  # its bans follow each sampled token
                 or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1  # not decoding (a prefill chunk is left)
@@ -143,7 +146,7 @@ class EngineCore:
                 limits.append(limit)
         if not requests:
             return
-        if is_worker_proposer(self.proposer):
+        if worker:
             # The worker drafts inside the verification step; the scheduler spends placeholders.
             for request, limit in zip(requests, limits):
                 request.spec_token_ids = [DRAFT_PLACEHOLDER_ID] * limit
@@ -159,6 +162,8 @@ class EngineCore:
             )
         for request, limit, drafts in zip(requests, limits, proposals.token_ids):
             request.spec_token_ids = list(drafts[:limit])
+            if request.grammar is not None:  # in the reasoning: none may end it
+                del request.spec_token_ids[request.grammar.gate.num_free_drafts(request.output_token_ids, request.spec_token_ids):]
 
     def step_with_overlap(self) -> EngineCoreOutputs:
         """Queue the next step, then collect the one the device has been running.

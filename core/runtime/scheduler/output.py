@@ -63,13 +63,14 @@ def append_tokens(
     """Append sampled ``tokens`` up to the first that ends the request; its output record (``row``:
     its first logprobs row), or None for a prompt chunk that has nothing to report yet."""
     new_tokens: list[int] = []
-    grammar = request.grammar.grammar if request.grammar is not None else None
+    request_grammar = request.grammar
+    grammar = request_grammar.grammar if request_grammar is not None else None
     for token in tokens:
         request.append_output_token(token)
         new_tokens.append(token)
         if check_stop(request, max_model_len):
             break
-        if grammar is not None and grammar_ends(request, grammar, token):
+        if grammar is not None and request_grammar.takes(request.output_token_ids) and grammar_ends(request, grammar, token):
             break
     if not new_tokens and not (request.prompt_logprobs and request.num_computed_tokens >= request.num_prompt_tokens):
         return None

@@ -70,7 +70,7 @@ class Scheduler:
                     "structured output needs a guided decoding backend and none is loaded; install "
                     "runtime-plugin-outlines (pip install -e plugins/outlines) or pick one with --guided-decoding-backend"
                 )
-            request.grammar = self.structured_output.submit(constraint.kind, constraint.spec())
+            request.grammar = self.structured_output.submit(constraint.kind, constraint.spec(), constraint.reasoning)
         self.requests[request.request_id] = request
         self.any_stop_ids.update(request.stop_ids)
         (self.waiting if request.grammar is None else self.waiting_for_grammar).append(request)

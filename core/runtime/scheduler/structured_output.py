@@ -26,6 +26,10 @@ fills them while the device computes. The grammars advance in ``update_from_outp
 tokens that come back; with async scheduling the engine collects the step in flight just
 before the fill, so that the rows follow its tokens. The worker applies the bitmask to the
 logits on the device before sampling.
+
+A request whose output starts with a reasoning block (``structured_outputs.reasoning``) holds a
+:class:`runtime.scheduler.reasoning_gate.ReasoningGate` beside its grammar: the grammar starts after
+the block, and the block's tokens get no row (or, with a token in flight, a row allowing every token).
 """
 
 from __future__ import annotations
@@ -38,10 +42,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from runtime.scheduler.reasoning_gate import OPENING, ReasoningGate
+
 if TYPE_CHECKING:
     import torch
 
     from runtime.scheduler.grammar_sandbox import GrammarSandbox
+    from runtime.sampling_params import ReasoningTags
     from runtime.scheduler.request import Request
     from runtime.structured_output import DeferredBitmask, Grammar, GuidedBackend
 
@@ -57,17 +64,32 @@ DEFAULT_COMPILE_MEMORY_BYTES = 4 << 30
 
 
 class RequestGrammar:
-    """One request's grammar: pending while it compiles, then its own fork."""
+    """One request's grammar: pending while it compiles, then its own fork; and its reasoning gate, if any."""
 
-    __slots__ = ("kind", "spec", "future", "deadline", "grammar", "ended")
+    __slots__ = ("kind", "spec", "future", "deadline", "grammar", "ended", "gate")
 
-    def __init__(self, kind: str, spec: str, future: concurrent.futures.Future, deadline: float):
+    def __init__(self, kind: str, spec: str, future: concurrent.futures.Future, deadline: float, gate=None):
         self.kind = kind
         self.spec = spec
         self.future = future  # -> the compiled grammar shared by every request with this spec
         self.deadline = deadline  # time.monotonic() after which a pending compile fails the request
         self.grammar: Grammar | None = None
         self.ended = False  # the grammar completed on a content token and so ended the request
+        self.gate: ReasoningGate | None = gate  # the output's reasoning comes first, unconstrained
+
+    def takes(self, output_ids: list[int]) -> bool:
+        """The output's last token was appended: whether the grammar takes it (not a reasoning token)."""
+        return self.gate is None or self.gate.advance(output_ids)
+
+    @property
+    def constrains(self) -> bool:
+        """Whether the next token is sampled under the grammar (not in the reasoning)."""
+        return self.gate is None or not self.gate.is_reasoning
+
+    def may_constrain(self, request: Request) -> bool:
+        """Whether ``request``'s token this step may be constrained: past the reasoning, or with a token of
+        an earlier step in flight that may end it (its row is filled once that token is back)."""
+        return self.constrains or request.num_output_placeholders > 1
 
 
 def _reusable(future: concurrent.futures.Future) -> bool:
@@ -117,8 +139,9 @@ class StructuredOutputManager:
         return concurrent.futures.ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
     # ---------------------------------------------------------------- compile
-    def submit(self, kind: str, spec: str) -> RequestGrammar:
-        """Start (or join) the compile of (kind, spec) for one request."""
+    def submit(self, kind: str, spec: str, reasoning: ReasoningTags | None = None) -> RequestGrammar:
+        """Start (or join) the compile of (kind, spec) for one request (``reasoning``: the tags of the block
+        its output starts with, which the grammar leaves free)."""
         key = (kind, spec)
         future = self._cache.get(key)
         deadline = time.monotonic() + self.compile_timeout
@@ -135,7 +158,7 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)
         if not future.done():
             self._waiters[future] = self._waiters.get(future, 0) + 1
-        return RequestGrammar(kind, spec, future, deadline)
+        return RequestGrammar(kind, spec, future, deadline, None if reasoning is None else ReasoningGate(reasoning))
 
     def _compile_ended(self, future: concurrent.futures.Future) -> None:
         # (in the compile thread, or the scheduler's on cancel: dict operations are atomic)
@@ -289,6 +312,7 @@ class StructuredOutputManager:
             for req_id in output.num_scheduled_tokens
             if (request := requests[req_id]).grammar is not None
             and request.num_computed_tokens >= request.num_tokens  # its chunk reaches the end: it samples
+            and request.grammar.may_constrain(request)
         ]
         if constrained:
             output.structured_output_request_ids, output.grammar_bitmask = self.grammar_bitmask(constrained)
@@ -306,12 +330,15 @@ class StructuredOutputManager:
 
     def slot_rows(self, requests: list[Request]):
         """:meth:`fill_rows`'s bitmask as a :class:`runtime.structured_output.SlotBitmask` (the
-        backend has ``bitmask_slots``); a request finished meanwhile gets slot -1 (every token)."""
+        backend has ``bitmask_slots``); a request finished meanwhile, or still reasoning, gets slot -1
+        (every token). None (a dense fill) where an output may still open its reasoning block."""
         import numpy as np
 
         from runtime.structured_output import bitmask_slots
 
-        live = [row for row, request in enumerate(requests) if not request.is_finished()]
+        live = _constrained_rows(requests)
+        if any(requests[row].grammar.gate is not None and requests[row].grammar.gate.phase == OPENING for row in live):
+            return None  # a table row cannot add the start tag
         result = bitmask_slots(self._backend, [requests[row].grammar.grammar for row in live])
         if len(live) == len(requests):
             return result
@@ -325,18 +352,22 @@ class StructuredOutputManager:
         With async scheduling the step in flight is collected first (see
         :class:`runtime.structured_output.DeferredBitmask`), and it may have finished some of
         ``requests`` (grammar complete, stop token, max_tokens): their rows allow every token,
-        since the token they sample is dropped.
+        since the token they sample is dropped; so do the rows of those still in their reasoning.
         """
         import torch
 
         from runtime.structured_output import allocate_token_bitmask
 
-        live = [row for row, request in enumerate(requests) if not request.is_finished()]
+        live = _constrained_rows(requests)
         if len(live) == len(requests):
-            return self.fill_bitmask([request.grammar.grammar for request in requests])
-        bitmask = allocate_token_bitmask(len(requests), self.vocab_size)
-        if live:
-            bitmask[torch.tensor(live)] = self.fill_bitmask([requests[row].grammar.grammar for row in live])
+            bitmask = self.fill_bitmask([request.grammar.grammar for request in requests])
+        else:
+            bitmask = allocate_token_bitmask(len(requests), self.vocab_size)
+            if live:
+                bitmask[torch.tensor(live)] = self.fill_bitmask([requests[row].grammar.grammar for row in live])
+        for row in live:
+            if requests[row].grammar.gate is not None:  # the first token of an output that may open its reasoning
+                requests[row].grammar.gate.add_start_tag(bitmask[row].numpy())
         return bitmask
 
     def fill_bitmask(self, grammars: list[Grammar]) -> torch.Tensor:
@@ -356,3 +387,8 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._sandbox is not None:
             self._sandbox.close()
+
+
+def _constrained_rows(requests: list[Request]) -> list[int]:
+    """Rows of the requests that sample under their grammar now (not finished, not reasoning)."""
+    return [row for row, request in enumerate(requests) if not request.is_finished() and request.grammar.constrains]

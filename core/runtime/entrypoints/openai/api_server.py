@@ -187,6 +187,7 @@ def serving_context(args, engine) -> ServingContext:
 
         ctx.reasoning_parser = get_reasoning_parser(args.reasoning_parser)
     ctx.response_role = getattr(args, "response_role", None) or "assistant"
+    ctx.enable_prompt_tokens_details = getattr(args, "enable_prompt_tokens_details", False)
     if getattr(args, "log_requests", False):
         ctx.request_logger = RequestLogger(getattr(args, "max_log_len", DEFAULT_MAX_LOG_LEN))
     return ctx

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from runtime.entrypoints.openai.protocol_base import (
     AllowedTokenIds,
@@ -22,6 +22,19 @@ from runtime.entrypoints.openai.protocol_structured import (
     STRUCTURED_OUTPUT_FIELDS, ResponseFormat, StructuredOutputsRequest, schema_dict, structured_params,
 )
 from runtime.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+
+
+MAX_REQUEST_ID_LEN = 256  # as an X-Request-Id header is taken (serving_engine)
+
+
+def check_request_id(value: str) -> str:
+    if not 1 <= len(value) <= MAX_REQUEST_ID_LEN:
+        why = f"got {len(value)} characters"
+    elif not (value.isascii() and value.isprintable()):
+        why = "got one with a character that is not printable ASCII"
+    else:
+        return value
+    raise ValueError(f"must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII characters (as an X-Request-Id header), {why}")
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -61,6 +74,9 @@ class SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
     cache_salt: str | None = None  # vLLM's: prefix-cache isolation per tenant
+    # vLLM's: the id the response (cmpl-<id>, chatcmpl-<id>) and the request's log line are named by, where no
+    # X-Request-Id header gives one
+    request_id: Annotated[str, AfterValidator(check_request_id)] | None = None
     # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -13,16 +13,43 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (or a KV connector)
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # generated tokens of the reasoning (see reasoning_tokens.py)
+
+
 class UsageInfo(BaseModel):
+    """OpenAI's usage; the two details objects only where the server has them (``--enable-prompt-tokens-details``,
+    ``--reasoning-parser``), else left out of the JSON."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_details(self, handler):
+        body = handler(self)
+        for name in ("prompt_tokens_details", "completion_tokens_details"):
+            if body.get(name) is None:
+                body.pop(name, None)
+        return body
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+           reasoning_tokens: int | None = None) -> "UsageInfo":
+        """Usage of these counts; ``cached_tokens`` / ``reasoning_tokens`` None leave their details out."""
         return cls(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=(
+                None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            ),
         )
 
 
@@ -75,6 +102,7 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None  # OpenAI's (always null here)
 
 
 class FunctionCallOut(BaseModel):
@@ -88,9 +116,22 @@ class ToolCallOut(BaseModel):
     function: FunctionCallOut
 
 
-class ChatMessageOut(BaseModel):
+class _WithReasoningAlias(BaseModel):
+    """Dumped with ``reasoning`` beside ``reasoning_content``, the same text: vLLM's newer name and its older one,
+    so that clients of either read it."""
+
+    @model_serializer(mode="wrap")
+    def _add_reasoning(self, handler):
+        body = handler(self)
+        if "reasoning_content" in body:
+            body["reasoning"] = body["reasoning_content"]
+        return body
+
+
+class ChatMessageOut(_WithReasoningAlias):
     role: str = "assistant"
     content: str | None = None
+    refusal: str | None = None  # OpenAI's (always null here: no model here refuses through a channel of its own)
     reasoning_content: str | None = None  # vLLM's, with --reasoning-parser (left out of responses without it)
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
@@ -132,7 +173,7 @@ class DeltaToolCall(_WithoutNones):
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithReasoningAlias):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None  # vLLM's, with --reasoning-parser (left out of chunks without it)

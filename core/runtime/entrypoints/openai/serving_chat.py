@@ -11,6 +11,8 @@ from runtime.entrypoints.openai.errors import from_exception, param_of
 from runtime.entrypoints.openai.prompt_inputs import checked_input
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, InvalidField
 from runtime.entrypoints.openai.reasoning import Reasoning, ReasoningParser
+from runtime.entrypoints.openai.reasoning.grammar_start import reasoning_tags
+from runtime.entrypoints.openai.reasoning_tokens import ReasoningTokenCounter, count_reasoning_tokens
 from runtime.entrypoints.openai.responses import (
     SSE_DONE,
     ChatChoice,
@@ -40,7 +42,7 @@ from runtime.entrypoints.openai.serving_engine import (
 from runtime.entrypoints.openai.tool_parsers import ToolCallDelta, ToolParser, tool_parser_names
 from runtime.entrypoints.openai.tool_parsers.constrained import NamedToolCalls, RequiredToolCalls
 from runtime.outputs import CompletionOutput, RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import ReasoningTags, SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -54,7 +56,9 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(self.default_max_tokens())
         self.ctx.limits.check_n(request.n)
         prompt = await asyncio.to_thread(self._checked_prompt, request, params)  # templating and tokenizing
-        request_id, engine_request_id = self.request_ids("chatcmpl", raw_request)
+        if params.structured_outputs is not None:  # with --reasoning-parser the grammar starts after the reasoning
+            params.structured_outputs.reasoning = self.grammar_reasoning_tags(prompt["prompt_token_ids"])
+        request_id, engine_request_id = self.request_ids("chatcmpl", raw_request, request.request_id)
         try:
             first, rest = await self.start(prompt, params, engine_request_id, request.priority)
         except ValueError as exc:
@@ -74,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         body = self._response(request, model, request_id, final).model_dump()
         if self.ctx.reasoning_parser is None:  # the field comes with --reasoning-parser only, as before it
             for choice in body["choices"]:
-                del choice["message"]["reasoning_content"]
+                del choice["message"]["reasoning_content"], choice["message"]["reasoning"]
         if request.prompt_logprobs is not None:  # vLLM's
             body["prompt_logprobs"] = self.prompt_logprobs_field(final.prompt_logprobs)
         if request.return_token_ids:  # vLLM's: the prompt's ids, and each choice's
@@ -107,13 +111,31 @@ class OpenAIServingChat(OpenAIServing):
             return RequiredToolCalls()
         return self.ctx.tool_parser(self.tokenizer)
 
-    def reasoning_reader(self, request: ChatCompletionRequest) -> ReasoningParser | None:
+    def reasoning_reader(self, request: ChatCompletionRequest, prompt_token_ids=None) -> ReasoningParser | None:
         """A fresh reader of one choice's reasoning, or None without ``--reasoning-parser``. A grammar (structured
-        output, tool_choice "required" or named) constrains the output from its first token here (vLLM starts it
-        after the reasoning), so such an output holds reasoning only where it writes the start tag itself."""
+        output, tool_choice "required" or named) starts after the reasoning, as vLLM's does, where the engine can
+        tell its end (:meth:`grammar_reasoning_tags`); else it constrains the output from its first token, and
+        such an output holds reasoning only where it writes the start tag itself."""
         if self.ctx.reasoning_parser is None:
             return None
-        return self.ctx.reasoning_parser(self.tokenizer, explicit_only=request.structured_output_field() is not None)
+        explicit_only = request.structured_output_field() is not None and (
+            self.grammar_reasoning_tags(prompt_token_ids or []) is None)
+        return self.ctx.reasoning_parser(self.tokenizer, explicit_only=explicit_only)
+
+    def grammar_reasoning_tags(self, prompt_token_ids: list[int]) -> ReasoningTags | None:
+        """The reasoning block a constrained output after ``prompt_token_ids`` starts with, left free by its grammar."""
+        if self.ctx.reasoning_parser is None:
+            return None
+        return reasoning_tags(self.ctx.reasoning_parser, self.tokenizer, prompt_token_ids)
+
+    def reasoning_counters(self, request: ChatCompletionRequest, prompt_token_ids=None) -> dict[int, ReasoningTokenCounter]:
+        """Per choice, the counter of its reasoning tokens for a streamed usage; none without ``--reasoning-parser``
+        or where the stream has no usage."""
+        if self.ctx.reasoning_parser is None or not request.include_usage:
+            return {}
+        return {index: ReasoningTokenCounter(self.reasoning_reader(request, prompt_token_ids), self.tokenizer,
+                                             request.skip_special_tokens, request.spaces_between_special_tokens)
+                for index in range(request.n)}
 
     def render_prompt(self, request: ChatCompletionRequest) -> dict:
         """The templated conversation as ``{"prompt_token_ids", "prompt"}`` (no second BOS)."""
@@ -153,9 +175,12 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         role = request.reply_role(self.ctx.response_role)
         echoed = request.echoed_text(self.ctx.response_role)
+        num_reasoning = None if self.ctx.reasoning_parser is None else 0
         for output in final.outputs:
-            splitter = self.reasoning_reader(request)
+            splitter = self.reasoning_reader(request, final.prompt_token_ids)
             reasoning, text = (None, output.text) if splitter is None else splitter.extract_reasoning(output.text)
+            if splitter is not None:
+                num_reasoning += count_reasoning_tokens(splitter, self.tokenizer, output.token_ids, request)
             reasoning = reasoning if request.include_reasoning else None
             content = echoed + (text or "") if echoed or splitter is None else text
             message = ChatMessageOut(role=role, content=content, reasoning_content=reasoning)
@@ -180,7 +205,7 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=output.stop_reason,
             ))
         num_generated = sum(len(o.token_ids) for o in final.outputs)
-        usage = UsageInfo.of(len(final.prompt_token_ids or ()), num_generated)
+        usage = UsageInfo.of(len(final.prompt_token_ids or ()), num_generated, self.cached_tokens([final]), num_reasoning)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     def _logprobs(self, request: ChatCompletionRequest, output: CompletionOutput) -> ChatChoiceLogprobs | None:
@@ -210,8 +235,11 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncGenerator[str, None]:
         num_generated = 0
         continuous = request.continuous_usage
+        counters = self.reasoning_counters(request, prompt_token_ids)
+        no_reasoning = 0 if counters else None  # the reasoning tokens of chunks before any token
+        last = None  # the latest output (its prefix-cache hits)
         readers = {index: self.tool_call_reader(request) for index in range(request.n)}
-        splitters = {index: self.reasoning_reader(request) for index in range(request.n)}
+        splitters = {index: self.reasoning_reader(request, prompt_token_ids) for index in range(request.n)}
         chunks = StreamChunks(request_id, model, "chat.completion.chunk")
         # vLLM's return_token_ids: the prompt's ids come with the first chunk of each choice
         first_fields = {"prompt_token_ids": list(prompt_token_ids or ())} if request.return_token_ids else {}
@@ -219,24 +247,34 @@ class OpenAIServingChat(OpenAIServing):
             role = request.reply_role(self.ctx.response_role)
             for index in range(request.n):
                 opening = ChatStreamChoice(index=index, delta=DeltaMessage(role=role, content=""))
-                yield chunks.event([self._dump(opening)], UsageInfo.of(num_prompt, 0) if continuous else None, **first_fields)
+                usage = UsageInfo.of(num_prompt, 0, reasoning_tokens=no_reasoning) if continuous else None
+                yield chunks.event([self._dump(opening)], usage, **first_fields)
             echoed = request.echoed_text(self.ctx.response_role)
             for index in range(request.n if echoed else 0):
                 echo = ChatStreamChoice(index=index, delta=DeltaMessage(content=echoed))
-                yield chunks.event([self._dump(echo)], UsageInfo.of(num_prompt, 0) if continuous else None)
+                yield chunks.event([self._dump(echo)], UsageInfo.of(num_prompt, 0, reasoning_tokens=no_reasoning)
+                                   if continuous else None)
             generated = dict.fromkeys(range(request.n), 0)  # per choice: continuous usage is per choice, as vLLM's
             async for output in stream:
-                num_prompt = len(output.prompt_token_ids or ())
+                num_prompt, last = len(output.prompt_token_ids or ()), output
                 for completion in output.outputs:
                     num_generated += len(completion.token_ids)
                     generated[completion.index] = generated.get(completion.index, 0) + len(completion.token_ids)
+                    counter = counters.get(completion.index)
+                    if counter is not None:
+                        counter.add(completion.token_ids)
                     choice = self._stream_choice(request, completion, readers.get(completion.index),
                                                  splitters.get(completion.index))
                     if choice is not None:
-                        usage = UsageInfo.of(num_prompt, generated[completion.index]) if continuous else None
+                        usage = None
+                        if continuous:
+                            num_reasoning = None if counter is None else counter.count(completion.finish_reason is not None)
+                            usage = UsageInfo.of(num_prompt, generated[completion.index], reasoning_tokens=num_reasoning)
                         yield chunks.event([choice], usage)
             if request.include_usage:
-                yield chunks.event([], UsageInfo.of(num_prompt, num_generated))
+                num_reasoning = sum(c.count(finished=True) for c in counters.values()) if counters else None
+                cached = self.cached_tokens([last])
+                yield chunks.event([], UsageInfo.of(num_prompt, num_generated, cached, num_reasoning))
         except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
             yield sse_event(from_exception(exc).body())
         finally:
@@ -244,10 +282,11 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     def _dump(self, choice: ChatStreamChoice) -> dict:
-        """``choice`` as a dict, its delta without reasoning_content where the server has no --reasoning-parser."""
+        """``choice`` as a dict, its delta without reasoning_content / reasoning where the server has no
+        --reasoning-parser."""
         body = choice.model_dump()
         if self.ctx.reasoning_parser is None:
-            del body["delta"]["reasoning_content"]
+            del body["delta"]["reasoning_content"], body["delta"]["reasoning"]
         return body
 
     def _stream_choice(
@@ -266,7 +305,8 @@ class OpenAIServingChat(OpenAIServing):
                 return None
             delta = {"role": None, "content": text or None, "tool_calls": None}
             if splitter is not None:
-                delta = {"role": None, "content": text or None, "reasoning_content": reasoning, "tool_calls": None}
+                delta = {"role": None, "content": text or None, "reasoning_content": reasoning, "reasoning": reasoning,
+                         "tool_calls": None}
             choice = {
                 "index": completion.index, "delta": delta,
                 "logprobs": None, "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,

@@ -42,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.ctx.limits.check_n(request.n, len(prompts))
         max_tokens_param = "max_tokens" if request.asks_max_tokens() else None
         inputs = await asyncio.to_thread(tokenize_prompts, self.engine.input_processor, prompts, params, max_tokens_param)
-        request_id, engine_request_id = self.request_ids("cmpl", raw_request)
+        request_id, engine_request_id = self.request_ids("cmpl", raw_request, request.request_id)
         try:
             started = await self.start_all(inputs, params, engine_request_id, request.priority)
         except ValueError as exc:
@@ -86,7 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_generated += len(output.token_ids)
                 choices.append(self._choice(request, prompt_index, final, output))
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo.of(num_prompt, num_generated))
+        usage = UsageInfo.of(num_prompt, num_generated, self.cached_tokens(finals))
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     def _choice(
         self, request: CompletionRequest, prompt_index: int, final: RequestOutput, output: CompletionOutput
@@ -145,11 +146,13 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = num_generated = 0
         offsets: dict[int, int] = {}  # choice index -> text offset so far (for logprobs)
         generated: dict[int, int] = {}  # choice index -> its tokens so far (continuous usage is per choice, as vLLM's)
+        lasts: dict[int, RequestOutput] = {}  # prompt index -> its latest output (for its prefix-cache hits)
         chunks = StreamChunks(request_id, model, "text_completion")
         continuous = request.continuous_usage
         merged = merge_streams(streams)
         try:
             async for prompt_index, output in merged:
+                lasts[prompt_index] = output
                 for completion in output.outputs:
                     completion = returned(request, completion)
                     index = prompt_index * request.n + completion.index
@@ -163,7 +166,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         usage = UsageInfo.of(len(output.prompt_token_ids or ()), generated[index]) if continuous else None
                         yield chunks.event([choice], usage)
             if request.include_usage:
-                yield chunks.event([], UsageInfo.of(num_prompt, num_generated))
+                yield chunks.event([], UsageInfo.of(num_prompt, num_generated, self.cached_tokens(lasts.values())))
         except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
             yield sse_event(from_exception(exc).body())
         finally:

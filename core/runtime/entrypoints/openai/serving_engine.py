@@ -41,6 +41,8 @@ class ServingContext:
     reasoning_parser: type | None = None
     response_role: str = "assistant"  # --response-role: the role of the reply in chat responses
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say gets
+    # --enable-prompt-tokens-details: usage has prompt_tokens_details.cached_tokens (prefix-cache hits)
+    enable_prompt_tokens_details: bool = False
 
     @property
     def model_name(self) -> str:
@@ -83,12 +85,14 @@ class OpenAIServing:
         return self.engine.model_config.default_sampling_params.get("max_tokens")
 
     @staticmethod
-    def request_ids(prefix: str, raw_request=None) -> tuple[str, str]:
+    def request_ids(prefix: str, raw_request=None, body_id: str | None = None) -> tuple[str, str]:
         """(response id, engine request id) of a request. As vLLM: ``{prefix}-{X-Request-Id}`` where the client sent
-        a usable one, and the engine's id adds a random suffix to it (two requests in flight may send the same
-        header; aborting one must not touch the other). Otherwise both are ``{prefix}-{id}``, the id being the one
-        ``RequestIdMiddleware`` answered with, else a new random one."""
+        a usable one, else ``{prefix}-{body_id}`` (the request's ``request_id`` field), and the engine's id adds a
+        random suffix to it (two requests in flight may send the same id; aborting one must not touch the other).
+        Otherwise both are ``{prefix}-{id}``, the id being the one ``RequestIdMiddleware`` answered with, else a new
+        random one."""
         client_id = None if raw_request is None else client_request_id(raw_request.headers)
+        client_id = body_id if client_id is None else client_id
         if client_id is not None:
             response_id = f"{prefix}-{client_id}"
             return response_id, f"{response_id}-{secrets.token_hex(8)}"
@@ -156,6 +160,13 @@ class OpenAIServing:
 
             self._token_bytes = TokenBytes(self.tokenizer)
         return self._token_bytes(token_id, token)
+
+    def cached_tokens(self, outputs) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens`` of these prompts' outputs (each prompt's prefix-cache hits,
+        summed); None without ``--enable-prompt-tokens-details``."""
+        if not self.ctx.enable_prompt_tokens_details:
+            return None
+        return sum(output.num_cached_tokens for output in outputs if output is not None)
 
     def prompt_logprobs_field(self, prompt_logprobs) -> list | None:
         """vLLM's ``prompt_logprobs`` response field: per prompt position, None (the first) or {token id: {logprob,

@@ -51,6 +51,13 @@ class ReasoningParser:
         """At the end of the output: what was held back."""
         return Reasoning(None, None)
 
+    def reasoning_span(self, text: str) -> tuple[int, int] | None:
+        """Where the reasoning of a whole output ``text`` lies, as ``(start, end)`` character offsets without its
+        tags, or None for none; it counts ``usage.completion_tokens_details.reasoning_tokens``. Once ``end`` falls
+        before the end of ``text``, more text must not move the span. A parser that does not say has no reasoning
+        tokens counted."""
+        return None
+
 
 _REGISTRY: ParserRegistry[type[ReasoningParser]] = ParserRegistry(ReasoningParser, "reasoning parser")
 register_reasoning_parser = _REGISTRY.register  # class decorator: ``--reasoning-parser NAME``

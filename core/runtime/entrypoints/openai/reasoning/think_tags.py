@@ -90,3 +90,16 @@ class ThinkTagReasoningParser(ReasoningParser):
 
     def finish(self) -> Reasoning:
         return self._scanner.finish()
+
+    def reasoning_span(self, text: str) -> tuple[int, int] | None:
+        """As the scanner reads ``text``: after a start tag that opens it (after whitespace), or from the start where
+        the output starts in the reasoning; up to the first end tag after that, or the end."""
+        body = len(text) - len(text.lstrip())
+        if text.startswith(START, body):
+            start = body + len(START)
+        elif self.starts_in_reasoning and not self.explicit_only:
+            start = 0
+        else:
+            return None
+        end = text.find(END, start)
+        return start, len(text) if end == -1 else end
