@@ -9,10 +9,16 @@ activations per token / tensor (static or dynamic) / group, or none (weights onl
 Tensors: ``weight``, ``weight_scale``, ``input_scale`` (static), zero points (zeros).
 
 ``pack-quantized``: 4/8-bit ``int`` weights per group or channel, symmetric or not, with
-16/32-bit activations (W4A16, W8A16), ``actorder`` none or ``weight`` (``group``, with a
-``weight_g_idx``, is not read): ``weight_packed`` int32 [out, in / pack],
+16/32-bit activations (W4A16, W8A16): ``weight_packed`` int32 [out, in / pack],
 ``weight_scale`` [out, groups], ``weight_zero_point`` int32 [out / pack, groups]
-(asymmetric), ``weight_shape`` [2]; read by :mod:`runtime_quant.wna16_linear`.
+(asymmetric), ``weight_shape`` [2]; read by :mod:`runtime_quant.wna16_linear`. ``actorder``
+none, ``weight`` or its alias ``static`` (calibration order only), or ``group`` (alias
+``dynamic``, older checkpoints): ``weight_g_idx`` [in] gives each input column its group.
+
+A layer matching several groups' targets takes the most specific one, as compressed-tensors
+assigns them: a module name, then a ``re:`` pattern (in sorted order), then the class ``Linear``.
+``kv_cache_scheme`` (8-bit float per tensor, static) is read by the core (``self_attn.k_scale`` /
+``v_scale``, used by an fp8 KV cache); a config may hold only that, its linear layers unquantized.
 
 Refused: a ``sparsity_config`` of another format than ``dense`` (weights stored compressed) and a
 ``transform_config`` with transforms (weights rotated; the model would have to rotate too).
@@ -32,6 +38,9 @@ PACKED = "pack-quantized"
 FORMATS = ("float-quantized", "int-quantized", "naive-quantized", PACKED)
 DENSE = "dense"  # the sparsity_config format of weights stored whole (the only one read here)
 LINEAR_CLASS = "Linear"  # every layer this method is asked about is a linear layer
+ACTORDER_PLAIN = (None, "weight", "static")  # "static": compressed-tensors' alias of "weight"
+ACTORDER_G_IDX = ("group", "dynamic")  # "dynamic": its alias of "group"
+KV_CACHE_SCHEME = {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True, "dynamic": False}
 
 
 def detect(quantization_config: dict | None) -> bool:
@@ -53,8 +62,10 @@ def packed_scheme(group: str, spec: dict[str, Any]) -> WNA16Scheme:
         raise _fail(group, f"{PACKED} with quantized activations")
     if weights.get("type") != "int" or weights.get("dynamic"):
         raise _fail(group, f"{PACKED} {weights.get('type')} weights{' (dynamic)' if weights.get('dynamic') else ''}")
-    if weights.get("actorder") not in (None, "weight"):  # "weight" orders calibration only, not the tensors
-        raise _fail(group, f"{PACKED} actorder {weights.get('actorder')!r} (weight_g_idx)")
+    actorder = weights.get("actorder")
+    if actorder not in ACTORDER_PLAIN + ACTORDER_G_IDX:
+        raise ValueError(f"compressed-tensors config group {group!r}: {PACKED} actorder {actorder!r} is not supported; "
+                         f"supported: {', '.join(str(a).lower() for a in ACTORDER_PLAIN + ACTORDER_G_IDX)}")
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise _fail(group, f"{PACKED} weight strategy {strategy!r}")
@@ -62,7 +73,8 @@ def packed_scheme(group: str, spec: dict[str, Any]) -> WNA16Scheme:
     prefix = f"compressed-tensors config group {group!r}:"
     check_bits(f"{prefix} {PACKED} num_bits", weights.get("num_bits"))
     check_group_size(f"{prefix} {PACKED} group_size", group_size)
-    return WNA16Scheme("compressed-tensors", weights["num_bits"], group_size, symmetric=weights.get("symmetric", True))
+    return WNA16Scheme("compressed-tensors", weights["num_bits"], group_size, symmetric=weights.get("symmetric", True),
+                       act_order=actorder in ACTORDER_G_IDX)
 
 
 def _dtype(group: str, args: dict[str, Any]) -> Any:
@@ -109,9 +121,16 @@ def group_scheme(group: str, spec: dict[str, Any], default_format: str | None) -
     return W8A8Scheme(dtype, strategy, activations=act_strategy, static_activations=not dynamic, block_size=block)
 
 
+def _specific_first(targets) -> list[str]:
+    """Targets in compressed-tensors' order of precedence: module names, then ``re:`` patterns
+    (each sorted), then the class name ``Linear`` (``compressed_tensors.utils.match_targets``)."""
+    return sorted(targets, key=lambda t: (t == LINEAR_CLASS, t.startswith("re:"), t))
+
+
 @dataclass(frozen=True)
 class CompressedTensorsConfig:
-    """Config groups in order (the first whose targets match a layer wins) and the ignore list."""
+    """Config groups in order and the ignore list. A layer takes the scheme of its most specific
+    matching target (a later group's scheme for a target named twice), as compressed-tensors does."""
 
     groups: tuple[tuple[tuple[str, ...], W8A8Scheme | WNA16Scheme], ...]
     ignore: tuple[str, ...] = ()
@@ -119,8 +138,10 @@ class CompressedTensorsConfig:
     def linear_method(self, prefix: str) -> W8A8LinearMethod | WNA16LinearMethod | None:
         if any(matches(prefix, pattern) for pattern in self.ignore):
             return None
-        for targets, scheme in self.groups:
-            if any(t == LINEAR_CLASS or matches(prefix, t) for t in targets):
+        schemes = {target: scheme for targets, scheme in self.groups for target in targets}
+        for target in _specific_first(schemes):
+            if target == LINEAR_CLASS or matches(prefix, target):
+                scheme = schemes[target]
                 return WNA16LinearMethod(scheme) if isinstance(scheme, WNA16Scheme) else W8A8LinearMethod(scheme)
         return None
 
@@ -136,23 +157,42 @@ class CompressedTensorsMethod:
     supports_tensor_parallel = True  # its layers load each rank's part (Linear.rank_part)
 
     def get_config(self, quantization_config: dict[str, Any] | None, model_config: Any) -> CompressedTensorsConfig:
-        if not quantization_config or not quantization_config.get("config_groups"):
+        config = quantization_config or {}
+        kv_cache_scheme = config.get("kv_cache_scheme")
+        if kv_cache_scheme is not None:
+            check_kv_cache_scheme(kv_cache_scheme)
+        if not config.get("config_groups") and kv_cache_scheme is None:
             raise ValueError(
-                "compressed-tensors reads quantized checkpoints (a quantization_config with config_groups); "
-                "to quantize a 16/32-bit checkpoint on load use --quantization fp8 or int8"
+                "compressed-tensors reads quantized checkpoints (a quantization_config with config_groups or a "
+                "kv_cache_scheme); to quantize a 16/32-bit checkpoint on load use --quantization fp8 or int8"
             )
-        sparsity = (quantization_config.get("sparsity_config") or {}).get("format") or DENSE
+        sparsity = (config.get("sparsity_config") or {}).get("format") or DENSE
         if sparsity != DENSE:
             raise ValueError(
                 f"compressed-tensors sparsity_config format {sparsity!r} (sparse weights) is not supported; "
                 f"supported: {DENSE}"
             )
-        if (quantization_config.get("transform_config") or {}).get("config_groups"):
+        if (config.get("transform_config") or {}).get("config_groups"):
             raise ValueError("compressed-tensors transform_config (weights rotated by Hadamard / learned transforms that "
                              "the model must apply at run time) is not supported; supported: checkpoints without one")
-        default_format = quantization_config.get("format")
+        default_format = config.get("format")
         groups = tuple(
             (tuple(spec.get("targets") or ()), group_scheme(name, spec, default_format))
-            for name, spec in quantization_config["config_groups"].items()
+            for name, spec in (config.get("config_groups") or {}).items()
         )
-        return CompressedTensorsConfig(groups, tuple(quantization_config.get("ignore") or ()))
+        return CompressedTensorsConfig(groups, tuple(config.get("ignore") or ()))
+
+
+def check_kv_cache_scheme(scheme: Any) -> None:
+    """The KV cache scales the core reads: one static FP8 scale per layer for keys and one for values."""
+    if not isinstance(scheme, dict):
+        raise ValueError(f"compressed-tensors kv_cache_scheme must be an object, got {scheme!r}")
+    # compressed-tensors' QuantizationArgs defaults, for fields a config leaves out
+    values = {**{"type": "int", "num_bits": 8, "strategy": "tensor", "symmetric": True, "dynamic": False},
+              **{k: v for k, v in scheme.items() if v is not None}}
+    bad = {k: values[k] for k, v in KV_CACHE_SCHEME.items() if values[k] != v}
+    if bad:
+        found = ", ".join(f"{k} {v!r}" for k, v in bad.items())
+        supported = ", ".join(f"{k} {v!r}" for k, v in KV_CACHE_SCHEME.items())
+        raise ValueError(f"compressed-tensors kv_cache_scheme with {found} is not supported; supported: {supported} "
+                         "(one FP8 scale per layer for keys and one for values)")

@@ -62,6 +62,8 @@ def _layout(s: WNA16Scheme, input_size: int, out: int, shards: int) -> dict[str,
         "weight_packed": Tensor(INT, (out, input_size // p), 0, note="[out, in / pack]", in_dim=1, in_unit=p),
         "weight_scale": Tensor(FLOAT, (out, groups), 0, note="[out, groups]", in_dim=group_dim, in_unit=s.group_size),
     }
+    if s.act_order:
+        tensors["weight_g_idx"] = Tensor(INT, (shards, input_size), 0, note="[in]: each input column's group", in_dim=0)
     if not s.symmetric:
         tensors["weight_zero_point"] = Tensor(INT, (out // p, groups), 0, p, "[out / pack, groups], packed along out",
                                               group_dim, s.group_size)
@@ -99,7 +101,8 @@ class WNA16LinearMethod:
         sizes = layer.quant_output_sizes
         input_size = layer.in_features
         layout = _layout(s, input_size, sum(sizes), len(sizes))
-        if name == "g_idx" and not s.act_order:
+        g_idx = name == s.g_idx_name
+        if g_idx and not s.act_order:
             return  # groups in order (desc_act false): row k is in group k // group_size
         if name == "weight_shape" and s.layout == "compressed-tensors":
             whole = [int(v) for v in tensor.flatten()]
@@ -113,7 +116,7 @@ class WNA16LinearMethod:
             raise ValueError(f"is not part of {s.describe}; expected: {', '.join(layout)}")
         t = layout[name]
         param = getattr(layer, name)
-        if name == "g_idx":
+        if g_idx:
             target = param[shard]
         else:
             offset = sum(sizes[:shard]) // t.unit
@@ -122,15 +125,15 @@ class WNA16LinearMethod:
         if tensor.dim() != target.dim():  # before the rank's part is cut along dimensions it may lack
             raise ValueError(f"has shape {list(tensor.shape)}, expected {expected}")
         whole = tensor
-        tensor = layer.rank_part(tensor, shard, t.dim if name != "g_idx" else None, t.unit, t.in_dim, t.in_unit)
-        if name == "g_idx" and tensor.shape != whole.shape:
+        tensor = layer.rank_part(tensor, shard, None if g_idx else t.dim, t.unit, t.in_dim, t.in_unit)
+        if g_idx and tensor.shape != whole.shape:
             raise ValueError(f"({s.describe}) orders the input rows by group (act-order), so the layer cannot be split "
                              f"along its input over {layer.tp_size} ranks; use tensor_parallel_size 1 or a checkpoint "
                              "without desc_act")
         if list(tensor.shape) != list(target.shape):
             raise ValueError(f"has shape {list(tensor.shape)}, expected {expected}")
         kind_ok = tensor.dtype.is_floating_point if t.kind == FLOAT else tensor.dtype in (torch.int32, torch.int64)
-        if not kind_ok or (name != "g_idx" and t.kind == INT and tensor.dtype != torch.int32):
+        if not kind_ok or (not g_idx and t.kind == INT and tensor.dtype != torch.int32):
             raise ValueError(f"has dtype {str(tensor.dtype).removeprefix('torch.')}, expected {expected}")
         target.copy_(tensor)
 
@@ -177,7 +180,7 @@ class WNA16LinearMethod:
 
     def _group_order(self, layer: nn.Module, input_size: int) -> torch.Tensor:
         """The permutation that brings act-ordered input rows into contiguous groups."""
-        g_idx = layer.g_idx.data.long()  # [shards, in]
+        g_idx = getattr(layer, self.scheme.g_idx_name).data.long()  # [shards, in]
         if not bool((g_idx == g_idx[:1]).all()):
             raise ValueError(
                 f"{self.scheme.describe}: the projections fused into this layer have different g_idx; "

@@ -5,7 +5,7 @@ column): ``w[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n]`` with unsigned ``bits`
 ``q``, zero points ``z`` (``2**(bits - 1)`` when symmetric) and scales ``s``. They differ in
 how the codes are packed (:mod:`runtime_quant.packing`), in the zero points' conventions,
 and GPTQ may order the groups by activation (``desc_act``: ``g_idx`` gives each input row
-its group).
+its group), as may compressed-tensors (``actorder: group``, its ``weight_g_idx``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from runtime_quant.packing import SUPPORTED_BITS
 
 LAYOUTS = ("gptq", "awq", "compressed-tensors")
-GROUP_SIZES = (-1, 16, 32, 64, 128, 256)  # -1: one group per column (per-channel scales)
+GROUP_SIZES = (-1, 16, 32, 64, 128, 256)
+G_IDX_NAMES = {"gptq": "g_idx", "compressed-tensors": "weight_g_idx"}  # each input row's group, per layout  # -1: one group per column (per-channel scales)
 
 
 def check_bits(what: str, bits) -> None:
@@ -36,7 +37,7 @@ class WNA16Scheme:
     bits: int
     group_size: int  # -1: the whole input dimension is one group
     symmetric: bool  # no zero points: z = 2 ** (bits - 1)
-    act_order: bool = False  # GPTQ desc_act: input rows reach their groups through g_idx
+    act_order: bool = False  # GPTQ desc_act (compressed-tensors actorder group): rows reach their groups by g_idx
     zero_offset: int = 0  # GPTQ's original format stores z - 1 (checkpoint_format "gptq"): 1
 
     def __post_init__(self) -> None:
@@ -44,8 +45,13 @@ class WNA16Scheme:
             raise ValueError(f"layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
         check_bits(f"{self.layout} bits", self.bits)
         check_group_size(f"{self.layout} group_size", self.group_size)
-        if self.act_order and self.layout != "gptq":
-            raise ValueError(f"act-order (g_idx) is read for gptq checkpoints only, not {self.layout}")
+        if self.act_order and self.layout not in G_IDX_NAMES:
+            raise ValueError(f"act-order (g_idx) is read for {' and '.join(G_IDX_NAMES)} checkpoints only, not {self.layout}")
+
+    @property
+    def g_idx_name(self) -> str | None:
+        """The checkpoint's name of the tensor that gives each input row its group (act-order)."""
+        return G_IDX_NAMES.get(self.layout)
 
     @property
     def pack(self) -> int:

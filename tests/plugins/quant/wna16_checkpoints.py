@@ -77,22 +77,32 @@ def pack_cols(q: torch.Tensor, bits: int, order=None) -> torch.Tensor:
 
 
 def write_gptq_checkpoint(src: str, dst: str, bits: int, group: int, symmetric: bool = True,
-                          act_order: bool = False, checkpoint_format: str = "gptq"):
-    """A GPTQ checkpoint (and ``{prefix: dequantized weight}``)."""
+                          act_order: bool = False, checkpoint_format: str = "gptq", layer_settings=None, **config):
+    """A GPTQ checkpoint (and ``{prefix: dequantized weight}``). ``layer_settings(prefix)`` may give a
+    layer its own ``bits`` / ``group`` / ``symmetric`` / ``act_order`` (a dict), or None: the layer is
+    stored unquantized in bfloat16 (as GPTQModel leaves the layers it skips); ``config``: more fields."""
     state = load_file(os.path.join(src, "model.safetensors"))
     real = {}
-    for prefix in layer_prefixes(state):
+    for prefix in layer_prefixes(state) + (["lm_head"] if config.get("lm_head") else []):
+        settings = {"bits": bits, "group": group, "symmetric": symmetric, "act_order": act_order}
+        override = layer_settings(prefix) if layer_settings else {}
+        if override is None:
+            state[f"{prefix}.weight"] = state[f"{prefix}.weight"].bfloat16()
+            real[prefix] = state[f"{prefix}.weight"].float()
+            continue
+        settings.update(override)
+        b, g = settings["bits"], settings["group"]
         w = state.pop(f"{prefix}.weight")
         # GPTQ orders a layer's inputs by its Hessian, the same for projections of one input
-        g_idx = group_index(w.shape[1], group, act_order, seed=_input_seed(prefix))
-        codes, scales, zeros, real[prefix] = rtn(w, bits, group, symmetric, g_idx)
+        g_idx = group_index(w.shape[1], g, settings["act_order"], seed=_input_seed(prefix))
+        codes, scales, zeros, real[prefix] = rtn(w, b, g, settings["symmetric"], g_idx)
         stored = zeros - 1 if checkpoint_format == "gptq" else zeros
-        state[f"{prefix}.qweight"] = pack_rows(codes, bits)
-        state[f"{prefix}.qzeros"] = pack_cols(stored, bits)
+        state[f"{prefix}.qweight"] = pack_rows(codes, b)
+        state[f"{prefix}.qzeros"] = pack_cols(stored, b)
         state[f"{prefix}.scales"] = scales.half()
         state[f"{prefix}.g_idx"] = g_idx
     config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": symmetric,
-              "checkpoint_format": checkpoint_format}
+              "checkpoint_format": checkpoint_format, **config}
     return _copy_folder(src, dst, state, config), real
 
 
