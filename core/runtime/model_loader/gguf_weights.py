@@ -47,6 +47,7 @@ def gguf_weights(
     gguf_arch = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=hf_config.to_dict())
     name_map = gguf_to_hf_names(gguf_arch, hf_config, processor)
+    _check_types(reader.tensors, name_map, packed_types)
     for tensor in tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor"):
         hf_name = name_map.get(tensor.name)
         ggml_type = int(tensor.tensor_type)
@@ -67,6 +68,26 @@ def gguf_weights(
         module = hf_name.removesuffix(".weight")
         yield f"{module}.qweight_type", torch.tensor(ggml_type if keep else F32)
         yield f"{module}.qweight", out if keep else out.float()
+
+
+def readable_types() -> list[str]:
+    """Names of the ggml types gguf-py's ``dequantize`` reads (F32, F16 and its quant types)."""
+    import gguf.quants
+
+    traits = getattr(gguf.quants, "_type_traits", {})
+    return ["F32", "F16", *sorted(t.name for t in traits if t.name not in ("F32", "F16"))]
+
+
+def _check_types(tensors, name_map: dict[str, str], packed_types: Collection[int]) -> None:
+    """Refuse, before reading any weights, a model tensor of a ggml type that nothing here reads."""
+    readable = set(readable_types())
+    for tensor in tensors:
+        kind = tensor.tensor_type
+        if tensor.name in name_map and kind.name not in readable and int(kind) not in packed_types:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} ({name_map[tensor.name]}) has ggml type {kind.name}, which cannot be "
+                f"dequantized; supported types: {', '.join(readable_types())}"
+            )
 
 
 def gguf_to_hf_names(gguf_arch: str, hf_config, processor) -> dict[str, str]:

@@ -107,17 +107,20 @@ def _gguf_config(gguf_file: str):
 @cached_per_file(maxsize=4)
 def _cached_gguf_config(gguf_file: str):
     """Parsing a GGUF header is slow (it holds the whole vocabulary); do it once per process."""
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config: a metadata value of the wrong type
     from transformers import AutoConfig
 
+    from runtime.model_loader.gguf_config import apply_gguf_metadata
     from runtime.model_loader.gguf_reader import shared_gguf_readers
 
     try:
         with shared_gguf_readers():
             config = AutoConfig.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
-    except (ValueError, KeyError, OSError, struct.error) as exc:  # struct.error: a file cut short in its header
+        # A GGUF of a multimodal model (Gemma 3) carries only the language model.
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return apply_gguf_metadata(config, gguf_file)
+    except (ValueError, KeyError, OSError, struct.error, StrictDataclassError) as exc:  # struct.error: a file cut short
         raise ValueError(f"could not read the config of GGUF file {gguf_file!r}: {exc}") from exc
-    # A GGUF of a multimodal model (Gemma 3) carries only the language model.
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def model_architecture(hf_config) -> str:

@@ -49,8 +49,10 @@ def _folder_tokenizer(path: str, mode: str, trust_remote_code: bool):
 def _gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    from runtime.model_loader.gguf_reader import shared_gguf_readers
+    from runtime.model_loader.gguf_reader import gguf_reader, shared_gguf_readers
 
+    if "tokenizer.ggml.tokens" not in gguf_reader(path).fields:
+        raise ValueError("the GGUF file holds no vocabulary (no tokenizer.ggml.tokens key)")
     with shared_gguf_readers():
         return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
