@@ -20,6 +20,9 @@
 #ifndef PREFETCH_KV  // kind 6's cache rows into L2 an op ahead
 #define PREFETCH_KV 1
 #endif
+#ifndef DYNAMIC  // design 11: groups taken from per-op counters (TAGGED only)
+#define DYNAMIC 0
+#endif
 #ifndef CONSUMER_SLEEP
 #define CONSUMER_SLEEP 64
 #endif
@@ -176,8 +179,8 @@ __device__ __forceinline__ void stage(const Ops& ops, Shared& sh, uint4* xq) {
 
 // The consumers: copies STAGES - 1 units ahead; products; a finished super-tile's two rows to the releaser, or
 // (TAGGED) straight to memory with their tags.
-template <int STAGES, int ACC, int MODE, bool TAGGED>
-__device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared& sh, uint4* ring, const uint4* xq) {
+template <int STAGES, int ACC, int MODE, bool TAGGED, class W>
+__device__ __forceinline__ void consume(W& walk, const Ops& ops, Shared& sh, uint4* ring, const uint4* xq) {
   constexpr int kShare = 2 * kKc / 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint4* slots = ring + warp * STAGES * kShare;
@@ -200,6 +203,9 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
           copy16<true>(slots + slot * kShare + rr * (kKc / 16) + 32 * i + lane, src + 32 * i + lane, policy);
       }
       more = walk.next(ahead);
+      if constexpr (DYNAMIC && TAGGED) {  // warp 0's copies started the block's next entry: one more grabbed
+        if (more && warp == 0 && lane == 0 && ahead.g == 0 && ahead.c == 0) walk.produce();
+      }
     }
     commit();
   };
@@ -301,8 +307,10 @@ __device__ __forceinline__ void consume(const Walk& walk, const Ops& ops, Shared
     q += last;
     if (++slot == STAGES) slot = 0;
     have = walk.next(cur);
+    if (DYNAMIC && TAGGED && lane == 0) sh.used[warp] = cur.e;
   }
   wait_groups<0>();
+  if (DYNAMIC && TAGGED && lane == 0) sh.used[warp] = 1 << 30;  // (the producer waits for no one through)
   if (lane == 0) sh.progress[warp] = ops.num_ops;
   if (ops.waits != nullptr && warp == 0 && lane == 0) ops.waits[2 * blockIdx.x] = waited;
 }
@@ -332,10 +340,25 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
   if (TAGGED && threadIdx.x == 0) sh.epoch = __ldcg(counters), sh.trace_j0 = waits != nullptr ? static_cast<int>(__ldcg(counters + 2)) - 1 : -1;
   __syncthreads();
   const Walk walk{n, k, meta, num_ops};
+  DynWalk dyn{n, k, meta, num_ops, counters + 4, sh.grabbed, &sh.grabbed_count, sh.used};
+  if (DYNAMIC && TAGGED) {
+    if (threadIdx.x < kWarps) sh.used[threadIdx.x] = 0;
+    if (threadIdx.x == 0) sh.grabbed_count = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) dyn.start();
+    __syncthreads();
+  }
   const Ops ops{w, s, x, o, n, k, meta, aux, res, num_ops, counters, waits, TAGGED ? sh.epoch : 0u, TAGGED ? sh.trace_j0 : -1};
   const int warp = threadIdx.x >> 5;
   if (warp < kWarps)
-    consume<STAGES, ACC, MODE, TAGGED>(walk, ops, sh, ring, xq);
+  {
+    if constexpr (DYNAMIC && TAGGED) {
+      consume<STAGES, ACC, MODE, TAGGED>(dyn, ops, sh, ring, xq);
+    } else {
+      Walk plain = walk;
+      consume<STAGES, ACC, MODE, TAGGED>(plain, ops, sh, ring, xq);
+    }
+  }
   else if (!TAGGED && warp == kWarps)
     release_rows(walk, ops, sh);
   else
@@ -345,6 +368,8 @@ __global__ void __launch_bounds__(kConsumers + kControl, 1) chain(
     if (threadIdx.x == 0 && atomicAdd(counters + 1, 1u) == gridDim.x - 1) {
       counters[1] = 0;
       counters[0] = ops.epoch + 1;
+      if (DYNAMIC && TAGGED)
+        for (int j = 0; j < num_ops; ++j) counters[4 + j] = 0;  // design 11's grab counters
     }
   }
 }

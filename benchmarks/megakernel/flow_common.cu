@@ -73,7 +73,8 @@ __device__ __forceinline__ unsigned long long now() {
 // the ops' concatenation).
 struct Unit {
   int j, st0, gs, c, g;
-  __device__ __forceinline__ int st() const { return st0 + g * static_cast<int>(gridDim.x); }
+  int stride = static_cast<int>(gridDim.x), e = 0;  // super-tiles between a group's; (design 11) the block's entry
+  __device__ __forceinline__ int st() const { return st0 + g * stride; }
 };
 struct Walk {
   const int *n, *k, *meta;  // meta[j] & 0xFF: op j's group
@@ -87,7 +88,7 @@ struct Walk {
     return true;
   }
   __device__ __forceinline__ bool first(Unit& u) const {
-    u = Unit{0, static_cast<int>(blockIdx.x), 0, 0, 0};
+    u = Unit{0, static_cast<int>(blockIdx.x), 0, 0, 0, static_cast<int>(gridDim.x), 0};
     return start_group(u);
   }
   __device__ __forceinline__ bool next(Unit& u) const {
@@ -96,6 +97,78 @@ struct Walk {
     if (++u.c < k[u.j] / kKc) return true;
     u.st0 += u.gs * gridDim.x;
     return start_group(u);
+  }
+};
+
+// Design 11 (DYNAMIC): a block takes op j's groups (group[j] consecutive super-tiles, chunk-major) from a counter
+// of op j (grab[j], zero at each launch), so fast blocks take more and no block is left with the op's last rows.
+// Consumer warp 0's lane 0 grabs for the block as its copies run ahead: the queue in shared memory holds the
+// block's next entries (kDepth ahead of warp 0's copies, one grab in flight); every warp reads them in order.
+constexpr int kGrabQueue = 16, kDepth = 3;
+struct DynWalk {
+  const int *n, *k, *meta;
+  int num_ops;
+  unsigned int* grab;
+  volatile int* queue;
+  volatile int* count;
+  volatile int* used;
+  int pj = 0, pending = -1;  // the producer's: the op it grabs from, the grab in flight
+  bool done = false;
+  __device__ __forceinline__ int supers(int j) const { return (n[j] + kRows - 1) / kRows; }
+  __device__ __forceinline__ int group(int j) const { return meta[j] & 0xFF; }
+  __device__ __forceinline__ int groups(int j) const { return (supers(j) + group(j) - 1) / group(j); }
+  __device__ __forceinline__ int take(int j) { return groups(j) > 0 ? static_cast<int>(atomicAdd(grab + j, 1u)) : 1 << 30; }
+  __device__ __noinline__ void produce() {  // the grab in flight becomes an entry; the next grab goes out
+    if (done) return;
+    int entry = -1;
+    for (int idx = pending;;) {
+      if (idx < groups(pj)) {
+        entry = pj << 16 | idx;
+        break;
+      }
+      if (++pj >= num_ops) break;
+      idx = take(pj);
+    }
+    int slowest = *count;
+    do {  // the slot must be read by every warp's walk first
+      slowest = *count;
+      for (int w = 0; w < kWarps; ++w) slowest = min(slowest, used[w]);
+    } while (*count - slowest >= kGrabQueue);
+    queue[*count % kGrabQueue] = entry;
+    __threadfence_block();
+    *count = *count + 1;
+    if (entry < 0) {
+      done = true;
+      return;
+    }
+    pending = take(pj);
+  }
+  __device__ void start() {  // thread 0 of the block, before the walks
+    pending = take(0);
+    for (int i = 0; i < kDepth; ++i) produce();
+  }
+  __device__ __forceinline__ bool load(Unit& u) const {
+    while (*count <= u.e) {
+    }
+    const int entry = queue[u.e % kGrabQueue];
+    if (entry < 0) return false;
+    u.j = entry >> 16;
+    u.st0 = (entry & 0xFFFF) * group(u.j);
+    u.gs = min(group(u.j), supers(u.j) - u.st0);
+    u.c = u.g = 0;
+    u.stride = 1;
+    return true;
+  }
+  __device__ __forceinline__ bool first(Unit& u) const {
+    u.e = 0;
+    return load(u);
+  }
+  __device__ __forceinline__ bool next(Unit& u) const {
+    if (++u.g < u.gs) return true;
+    u.g = 0;
+    if (++u.c < k[u.j] / kKc) return true;
+    ++u.e;
+    return load(u);
   }
 };
 
@@ -116,6 +189,9 @@ struct Shared {
   float rnorm[2];                 // a norm's 1 / rms, an x buffer's (written with its last chunk)
   unsigned int epoch;
   int trace_j0;
+  volatile int grabbed[16];   // design 11: the block's groups, j << 16 | group (-1: no more), in order
+  volatile int grabbed_count; // entries written
+  volatile int used[8];       // the entry each consumer warp's units come from
 };
 // An op's input and output (TAGGED only; kind 0 and no residual otherwise), in meta[j] = group | kind << 8 |
 // (how many ops back its residual was written, 0: 2) << 16:

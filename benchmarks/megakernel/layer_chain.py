@@ -104,6 +104,7 @@ def main():
     torch.manual_seed(0)
     check = bool(os.environ.get("CHECK"))
     layers = 1 if check else LAYERS
+    assert layers * 6 <= 256, "design 11's grab counters: 256 ops at most"
     pos, splits = int(os.environ.get("POS", 383)), int(os.environ.get("SPLITS", 16))
     assert 1 <= splits <= 32 and pos < 1024, "the merge reads at most 32 splits (flow_attention.cu); the cache holds 1,024"
     assert all("A" not in a.split(":")[0] for a in sys.argv[1:]) or (splits % 4 == 0 and -(-(pos + 1) // splits) <= int(os.environ.get('MAX_SPAN', 16))), (
@@ -159,7 +160,8 @@ def main():
         return (t32 & 0xFFFF).to(torch.int16).view(torch.bfloat16)
 
     sms = cuda_launch.num_sms(0)
-    epoch = torch.zeros(4, dtype=torch.int32, device=dev)  # the epoch, the blocks through, the traced op + 1
+    # the epoch, the blocks through, the traced op + 1, (spare), then design 11's grab counters (DEFINES=DYNAMIC=1)
+    epoch = torch.zeros(4 + 256, dtype=torch.int32, device=dev)
     waits = torch.zeros(sms * 2 + sms * TRACE_OPS * 4, dtype=torch.int64, device=dev)
     tracing = bool(os.environ.get("WAITS"))
     traced_layer = int(os.environ.get("TRACE", -1))
