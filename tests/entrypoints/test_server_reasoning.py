@@ -231,3 +231,28 @@ def test_the_grammar_starts_after_the_reasoning(client):
         "continue_final_message": True, "add_generation_prompt": False}).choices[0]
     assert getattr(choice.message, "reasoning_content", None) is None
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_an_unconstrained_output_is_read_from_where_the_prompt_left_the_block(think_tokenizer):
+    """A prompt that opened the block (Qwen3-2507's template) puts even qwen3's output in the reasoning; one that
+    closed it (enable_thinking false) makes even deepseek_r1's output content, as the engine's gate reads them."""
+    opened = think_tokenizer.encode("assistant\n<think>\n")
+    closed = think_tokenizer.encode("assistant\n" + CLOSED)
+    request = ChatCompletionRequest(messages=ASK)
+    for name, prompt, text, expected in [
+        ("qwen3", opened, "x</think>Hello", ("x", "Hello")),
+        ("qwen3", opened, "still thinking", ("still thinking", None)),
+        ("deepseek_r1", closed, "Hello", (None, "Hello")),
+        ("qwen3", closed, "Hello", (None, "Hello")),
+        ("qwen3", think_tokenizer.encode("assistant\n"), "Hello", (None, "Hello")),
+    ]:
+        ctx = ServingContext(engine=SimpleNamespace(tokenizer=think_tokenizer), served_model_names=["m"],
+                             response_role="assistant", reasoning_parser=get_reasoning_parser(name))
+        chat = OpenAIServingChat(ctx)
+        final = RequestOutput("r", None, prompt, None, [CompletionOutput(0, text, [1], None, None, "stop")], True)
+        message = json.loads(chat._json_response(request, "m", "c", final).body)["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == expected, (name, text)
+        streamed = chat.reasoning_reader(request, prompt)  # the streamed side reads it the same way
+        pieces = [streamed.extract_reasoning_streaming(ch) for ch in text] + [streamed.finish()]
+        got = ("".join(p.reasoning or "" for p in pieces) or None, "".join(p.content or "" for p in pieces) or None)
+        assert got == expected, (name, text)

@@ -11,7 +11,8 @@ from runtime.entrypoints.openai.errors import from_exception, param_of
 from runtime.entrypoints.openai.prompt_inputs import checked_input
 from runtime.entrypoints.openai.protocol import ChatCompletionRequest, InvalidField
 from runtime.entrypoints.openai.reasoning import Reasoning, ReasoningParser
-from runtime.entrypoints.openai.reasoning.grammar_start import reasoning_tags
+from runtime.entrypoints.openai.reasoning.grammar_start import prompt_block, reasoning_tags
+from runtime.entrypoints.openai.reasoning.think_tags import ThinkTagReasoningParser
 from runtime.entrypoints.openai.reasoning_tokens import ReasoningTokenCounter, count_reasoning_tokens
 from runtime.entrypoints.openai.responses import (
     SSE_DONE,
@@ -120,7 +121,11 @@ class OpenAIServingChat(OpenAIServing):
             return None
         explicit_only = request.structured_output_field() is not None and (
             self.grammar_reasoning_tags(prompt_token_ids or []) is None)
-        return self.ctx.reasoning_parser(self.tokenizer, explicit_only=explicit_only)
+        parser = self.ctx.reasoning_parser
+        if issubclass(parser, ThinkTagReasoningParser) and prompt_token_ids:  # the prompt may have opened or closed it
+            return parser(self.tokenizer, explicit_only=explicit_only,
+                          prompt=prompt_block(self.tokenizer, list(prompt_token_ids)))
+        return parser(self.tokenizer, explicit_only=explicit_only)
 
     def grammar_reasoning_tags(self, prompt_token_ids: list[int]) -> ReasoningTags | None:
         """The reasoning block a constrained output after ``prompt_token_ids`` starts with, left free by its grammar."""

@@ -27,11 +27,25 @@ def reasoning_tags(parser: type, tokenizer, prompt_token_ids: list[int]) -> Reas
         return None
     end = tokenizer.encode(END, add_special_tokens=False)
     start = tokenizer.encode(START, add_special_tokens=False)
+    block = prompt_block(tokenizer, prompt_token_ids, start, end)
+    if block == "closed":
+        return None
+    return ReasoningTags(end, start, parser.starts_in_reasoning or block == "opened")
+
+
+def prompt_block(tokenizer, prompt_token_ids: list[int], start: list[int] | None = None,
+                 end: list[int] | None = None) -> str | None:
+    """How the prompt leaves the ``<think>`` block: "opened" (it ends with the start tag and whitespace),
+    "closed" (with the end tag), or None (neither: the output says). The parsers' ``prompt`` argument."""
+    if tokenizer is None:
+        return None
+    end = tokenizer.encode(END, add_special_tokens=False) if end is None else end
+    start = tokenizer.encode(START, add_special_tokens=False) if start is None else start
     closed = _ends_with_tag(tokenizer, prompt_token_ids, end)
     opened = _ends_with_tag(tokenizer, prompt_token_ids, start)
     if closed > opened:
-        return None
-    return ReasoningTags(end, start, parser.starts_in_reasoning or opened > closed)
+        return "closed"
+    return "opened" if opened > closed else None
 
 
 def _ends_with_tag(tokenizer, prompt: list[int], tag: list[int]) -> int:

@@ -25,9 +25,9 @@ class ThinkScanner:
     """The streaming state of one output: where it is (before a possible start tag, in the reasoning, in
     the content) and the text held back because it may be part of a tag."""
 
-    def __init__(self, starts_in_reasoning: bool) -> None:
+    def __init__(self, starts_in_reasoning: bool, phase: str = "start") -> None:
         self.starts_in_reasoning = starts_in_reasoning
-        self.phase = "start"  # "start" | "reasoning" | "content"
+        self.phase = phase  # "start" | "reasoning" | "content"
         self.held = ""
 
     def push(self, piece: str) -> Reasoning:
@@ -68,16 +68,25 @@ class ThinkScanner:
 
 class ThinkTagReasoningParser(ReasoningParser):
     """``starts_in_reasoning``: an output without the start tag is reasoning up to the end tag (the chat
-    template opened the block in the prompt), and all reasoning without one; else it is content."""
+    template opened the block in the prompt), and all reasoning without one; else it is content.
+
+    ``prompt``: how the prompt left the block, where the server knows (:func:`..grammar_start.prompt_block`):
+    "opened" (it ends with the start tag: the output starts in the reasoning, whatever the parser assumes),
+    "closed" (it ends with the end tag, as Qwen3's template writes with ``enable_thinking: false``: the output is
+    all content), or None (the output says)."""
 
     starts_in_reasoning = False
 
-    def __init__(self, tokenizer=None, explicit_only: bool = False) -> None:
+    def __init__(self, tokenizer=None, explicit_only: bool = False, prompt: str | None = None) -> None:
         super().__init__(tokenizer, explicit_only)
+        if prompt not in (None, "opened", "closed"):
+            raise ValueError(f"prompt {prompt!r} is not valid; valid: None, 'opened', 'closed'")
+        self.prompt = prompt
         self._scanner = self._new_scanner()
 
     def _new_scanner(self) -> ThinkScanner:
-        return ThinkScanner(self.starts_in_reasoning and not self.explicit_only)
+        phase = {"opened": "reasoning", "closed": "content"}.get(self.prompt, "start")
+        return ThinkScanner(self.starts_in_reasoning and not self.explicit_only, phase)
 
     def extract_reasoning(self, text: str) -> Reasoning:
         scanner = self._new_scanner()
@@ -95,7 +104,11 @@ class ThinkTagReasoningParser(ReasoningParser):
         """As the scanner reads ``text``: after a start tag that opens it (after whitespace), or from the start where
         the output starts in the reasoning; up to the first end tag after that, or the end."""
         body = len(text) - len(text.lstrip())
-        if text.startswith(START, body):
+        if self.prompt == "closed":
+            return None
+        if self.prompt == "opened":
+            start = 0
+        elif text.startswith(START, body):
             start = body + len(START)
         elif self.starts_in_reasoning and not self.explicit_only:
             start = 0
