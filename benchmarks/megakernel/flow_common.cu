@@ -118,7 +118,7 @@ struct DynWalk {
   __device__ __forceinline__ int group(int j) const { return meta[j] & 0xFF; }
   __device__ __forceinline__ int groups(int j) const { return (supers(j) + group(j) - 1) / group(j); }
   __device__ __forceinline__ int take(int j) { return groups(j) > 0 ? static_cast<int>(atomicAdd(grab + j, 1u)) : 1 << 30; }
-  __device__ __noinline__ void produce() {  // the grab in flight becomes an entry; the next grab goes out
+  __device__ __forceinline__ void produce() {  // the grab in flight becomes an entry; the next grab goes out
     if (done) return;
     int entry = -1;
     for (int idx = pending;;) {
