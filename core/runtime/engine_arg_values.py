@@ -22,13 +22,26 @@ def eos_token_ids(resolved) -> tuple[int, ...]:
     return tuple(ids)
 
 
+MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len")
+
+
 def model_max_len(hf_config) -> int:
     """The longest sequence the model config allows (2048 when it names none)."""
-    for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+    for name in MAX_LEN_KEYS:
         value = getattr(hf_config, name, None)
         if value:
             return int(value)
     return 2048
+
+
+def model_max_len_source(hf_config, gguf_file: str | None) -> str:
+    """Where :func:`model_max_len` found its value, for errors: the GGUF file's context_length, or the config key."""
+    key = next((name for name in MAX_LEN_KEYS if getattr(hf_config, name, None)), None)
+    if key is None:
+        return "the config names no length; 2048 is assumed"
+    if gguf_file:
+        return f"the GGUF file's context_length ({key})"
+    return f"the config's {key}"
 
 
 MAX_DEFAULT_GRAPH_SIZE = 512

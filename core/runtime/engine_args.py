@@ -38,6 +38,7 @@ from runtime.engine_arg_checks import override_generation_defaults as _override_
 from runtime.engine_arg_values import eos_token_ids as _eos_token_ids
 from runtime.engine_arg_values import graph_sizes, resolve_dtype  # noqa: F401 (imported from here too)
 from runtime.engine_arg_values import model_max_len as _model_max_len
+from runtime.engine_arg_values import model_max_len_source
 from runtime.model_loader.tokenizer import TOKENIZER_MODES
 
 logger = logging.getLogger(__name__)
@@ -244,7 +245,8 @@ def build_model_config(args: EngineArgs, platform) -> ModelConfig:
     derived = _model_max_len(resolved.hf_config)
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:
-        raise ValueError(f"max_model_len {max_model_len} is larger than the model's maximum {derived}")
+        raise ValueError(f"max_model_len {max_model_len} is larger than the model's maximum {derived} "
+                         f"({model_max_len_source(resolved.hf_config, resolved.gguf_file)})")
     names = served_model_names(args)
     quantization = select_quant_method(args.quantization, resolved.hf_config)
     if quantization is None and resolved.gguf_file and args.load_format != "dummy":  # dummy weights have no blocks

@@ -106,8 +106,19 @@ def test_max_model_len_comes_from_the_context_length(tmp_path):
     cpu = CpuPlatform()
     assert build_model_config(EngineArgs(model=path, skip_tokenizer_init=True), cpu).max_model_len == 384
     assert build_model_config(EngineArgs(model=path, max_model_len=128), cpu).max_model_len == 128
-    with pytest.raises(ValueError, match=r"max_model_len 1000 is larger than the model's maximum 384"):
+    with pytest.raises(ValueError, match=r"max_model_len 1000 is larger than the model's maximum 384 "
+                                         r"\(the GGUF file's context_length \(max_position_embeddings\)\)"):
         build_model_config(EngineArgs(model=path, max_model_len=1000), cpu)
+
+
+def test_the_length_limit_names_its_source_for_a_config_folder(tmp_path):
+    from runtime.testing.models import build_tiny_model
+    from transformers import AutoConfig
+
+    tiny_llama = build_tiny_model("llama", tmp_path)
+    limit = AutoConfig.from_pretrained(tiny_llama).max_position_embeddings
+    with pytest.raises(ValueError, match=rf"larger than the model's maximum {limit} \(the config's max_position_embeddings\)"):
+        build_model_config(EngineArgs(model=tiny_llama, max_model_len=limit + 1), CpuPlatform())
 
 
 def test_end_of_generation_tokens(tmp_path):
