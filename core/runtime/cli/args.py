@@ -22,28 +22,27 @@ def _base_type(annotation):
     return annotation
 
 
-def json_object(text: str) -> dict:
-    """A dict-valued flag's value: JSON text of an object (vLLM's ``--speculative-config '{...}'``)."""
+def _json_value(text: str, kind: type, shape: str, unreadable: str = "not valid JSON"):
+    """``text`` parsed as JSON of ``kind``; an ArgumentTypeError (``unreadable``, or naming ``shape``) otherwise."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object ({{...}}), got {text!r}")
+        raise argparse.ArgumentTypeError(f"{unreadable} ({exc}): {text!r}") from None
+    if not isinstance(value, kind):
+        raise argparse.ArgumentTypeError(f"must be {shape}, got {text!r}")
     return value
+
+
+def json_object(text: str) -> dict:
+    """A dict-valued flag's value: JSON text of an object (vLLM's ``--speculative-config '{...}'``)."""
+    return _json_value(text, dict, "a JSON object ({...})")
 
 
 def json_or_comma_list(text: str) -> list:
     """A list-valued flag's value: vLLM's JSON list (``'["a", "b"]'``) or comma-separated text."""
     if not text.lstrip().startswith("["):
         return [item.strip() for item in text.split(",")]
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not a valid JSON list ({exc}): {text!r}") from None
-    if not isinstance(value, list):
-        raise argparse.ArgumentTypeError(f"must be a JSON list ([...]) or comma-separated, got {text!r}")
-    return value
+    return _json_value(text, list, "a JSON list ([...]) or comma-separated", "not a valid JSON list")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
