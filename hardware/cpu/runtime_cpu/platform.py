@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import mmap
 import os
+import sys
 
 import torch
 
 from runtime.platforms import Platform, cpu_flags
 
 DEFAULT_KV_CACHE_BYTES = 4 << 30  # 4 GiB, like vLLM's CPU default KV space
-LAZY_ZERO_MIN_BYTES = 64 << 20  # above glibc's largest mmap threshold (32 MiB)
+DROP_PAGES_MIN_BYTES = 1 << 20  # smaller caches are zeroed by writing them
+MADV_DONTNEED = 4  # Linux: the pages are dropped; private anonymous memory then reads as zeros
 KV_CACHE_ENV = "RUNTIME_CPU_KVCACHE_SPACE"  # GiB, an alternative to kv_cache_memory_bytes
 BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; Arm's Features
 
@@ -45,14 +50,10 @@ class CpuPlatform(Platform):
         return min(DEFAULT_KV_CACHE_BYTES, self.total_memory_bytes() // 4)
 
     def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
-        # Attention reads whole blocks and masks the unused slots, so they must hold
-        # finite values. A large allocation is fresh mmap'd memory, which the kernel
-        # hands out zeroed and commits only as blocks are written: a big default cache
-        # then costs nothing up front. Small ones may reuse heap memory: zero them.
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if size < LAZY_ZERO_MIN_BYTES:
-            return torch.zeros(shape, dtype=dtype, device=device)
-        return torch.empty(shape, dtype=dtype, device=device)
+        # Attention reads whole blocks and masks the unused slots, so they must hold finite
+        # values: the cache starts zeroed. A big default cache should not cost its size in
+        # memory up front, so its pages are dropped rather than written (see zeroed_lazily).
+        return zeroed_lazily(torch.empty(shape, dtype=dtype, device=device))
 
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         # float16 matmuls are slow on CPUs; bfloat16 keeps the range of the checkpoint. Weights
@@ -77,3 +78,37 @@ class CpuPlatform(Platform):
         from runtime_cpu.compile import compile_model
 
         return compile_model(model)
+
+
+def zeroed_lazily(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous, on the host) filled with zeros, committing no memory for its whole pages.
+
+    A large allocation is not always fresh memory: the C allocator hands out freed heap
+    memory, whatever it held (NaNs from an earlier tensor made a fresh engine's decode
+    produce token 0 over and over). Its whole pages are dropped with ``madvise``
+    (private anonymous memory, heap or mapping, then reads as zeros until written) and
+    the partial pages at either end are written.
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    libc = _libc()
+    if nbytes < DROP_PAGES_MIN_BYTES or libc is None:
+        return tensor.zero_()
+    flat = tensor.view(-1).view(torch.uint8)
+    address, page = tensor.data_ptr(), mmap.PAGESIZE
+    first = -address % page  # bytes before the first whole page
+    last = (address + nbytes) // page * page - address  # byte offset where the last partial page starts
+    if libc.madvise(ctypes.c_void_p(address + first), ctypes.c_size_t(last - first), MADV_DONTNEED) != 0:
+        return tensor.zero_()
+    flat[:first].zero_()
+    flat[last:].zero_()
+    return tensor
+
+
+def _libc():
+    """The C library, where it has Linux's ``madvise`` semantics; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
