@@ -29,12 +29,12 @@ from runtime_quant.scheme import INT8, MIN_SCALE, W8A8Scheme, quant_max
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x / scale`` rounded to ``dtype`` codes (int8: round half to even), saturating."""
-    qmax = quant_max(dtype)
+    """``x / scale`` rounded to ``dtype`` codes (int8: round half to even), saturating at the
+    type's range (int8: -128..127, as vLLM's and compressed-tensors' static quantization)."""
     q = x.float() / scale
-    if not dtype.is_floating_point:
-        q = q.round()
-    return q.clamp(-qmax, qmax).to(dtype)
+    if dtype.is_floating_point:
+        return q.clamp(-quant_max(dtype), quant_max(dtype)).to(dtype)
+    return q.round().clamp(torch.iinfo(dtype).min, torch.iinfo(dtype).max).to(dtype)
 
 
 def row_scales(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,9 @@ def qmax(dtype: torch.dtype) -> float:
 
 def to_codes(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     q = x.float() / scale
-    return (q if dtype == FP8 else q.round()).clamp(-qmax(dtype), qmax(dtype)).to(dtype)
+    if dtype == FP8:
+        return q.clamp(-448.0, 448.0).to(dtype)
+    return q.round().clamp(-128, 127).to(dtype)  # int8's whole range, as compressed-tensors packs
 
 
 def expand_blocks(scale: torch.Tensor, shape: torch.Size, block: list[int]) -> torch.Tensor:

@@ -29,8 +29,9 @@ def fused_layer(scheme: W8A8Scheme) -> MergedLinear:
     W8A8Scheme(FP8, "block", activations="group", block_size=(16, 32), weight_scale_name="weight_scale_inv"),
     W8A8Scheme(FP8, "tensor", activations="tensor", static_activations=True),
     W8A8Scheme(INT8, "channel", activations="token"),
+    W8A8Scheme(INT8, "channel", activations="tensor", static_activations=True),
     W8A8Scheme(FP8, "channel", activations=None),
-], ids=["fp8-block", "fp8-tensor-static", "int8-channel", "fp8-weight-only"])
+], ids=["fp8-block", "fp8-tensor-static", "int8-channel", "int8-tensor-static", "fp8-weight-only"])
 def test_fused_layer_matches_the_reference(scheme):
     torch.manual_seed(0)
     layer = fused_layer(scheme)
@@ -65,3 +66,11 @@ def test_fused_layer_matches_the_reference(scheme):
 def test_int8_uses_int_mm_on_the_cpu():
     assert select_kernel(W8A8Scheme(INT8, "channel", activations="token"), torch.device("cpu")).name == "int_mm"
     assert select_kernel(W8A8Scheme(FP8, "channel", activations="token"), torch.device("cpu")).name == "dequant_matmul"
+
+
+def test_static_int8_activations_saturate_at_the_types_range():
+    from runtime_quant.kernels import quantize
+
+    x = torch.tensor([-1.30, -1.276, -1.27, 1.27, 1.276, 1.30])
+    # -128 is a code (vLLM's static int8 kernel and compressed-tensors saturate at -128, not -127)
+    assert quantize(x, torch.tensor(0.01), INT8).tolist() == [-128, -128, -127, 127, 127, 127]
