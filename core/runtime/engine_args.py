@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +82,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = _arg(False, "run on token ids only, without a tokenizer")
     chat_template: str | None = _arg(None, "chat template file, or the Jinja text itself (default: the tokenizer's)")
     served_model_name: list[str] | str | None = _arg(
-        None, "model name(s) in the API; requests may use any, responses carry the first (default: the model path's name)"
+        None, "model name(s) in the API; requests may use any, responses carry the first (default: the model argument "
+        "exactly as given, as vLLM's)"
     )
     generation_config: str = _arg(
         "auto", "default sampling parameters: auto (the model's generation_config.json), vllm (none: neutral "
@@ -215,12 +215,12 @@ def _check_plugin_choices(args: EngineArgs) -> None:
 
 
 def served_model_names(args: EngineArgs) -> tuple[str, ...]:
-    """The API names of the model: the given one(s), else the model path's last part."""
+    """The API names of the model: the given one(s), else the model argument exactly as given (vLLM's default)."""
     given = args.served_model_name
     names = [given] if isinstance(given, str) else list(given or ())
     if any(not isinstance(n, str) or not n for n in names):
         raise _fail("served_model_name", given, "a non-empty name or a list of them")
-    return tuple(dict.fromkeys(names)) or (os.path.basename(os.path.normpath(args.model)),)
+    return tuple(dict.fromkeys(names)) or (str(args.model),)  # str: LLM() takes a pathlib.Path too
 
 
 def build_model_config(args: EngineArgs, platform) -> ModelConfig:

@@ -26,6 +26,7 @@ def test_token_id_prompts_need_no_tokenizer_and_match_bench_throughput(tmp_path)
         assert chat.returncode != 0 and "needs --endpoint completions" in chat.stderr
     result = json.loads(result_file.read_text())
     workload = make_workload(8, (4, 12), (3, 6), UNTOKENIZED_VOCAB_SIZE, 3)  # the vocab from the model's config.json
+    assert result["model"] == model  # the name the server lists: its model argument as given
     assert (result["completed"], result["failed"], result["max_concurrency"]) == (8, 0, 4)
     assert result["total_input_tokens"] == workload.num_prompt_tokens
     assert result["total_output_tokens"] == workload.num_output_tokens

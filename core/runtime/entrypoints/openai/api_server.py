@@ -127,12 +127,12 @@ def _add_generation_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
-        body = completions.with_model_defaults(body)
+        body = completions.with_forced_usage(completions.with_model_defaults(body))
         return await run_until_disconnect(request, completions.create_completion(body, request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        body = chat.with_model_defaults(body)
+        body = chat.with_forced_usage(chat.with_model_defaults(body))
         return await run_until_disconnect(request, chat.create_chat_completion(body, request))
 
     @app.post("/tokenize")
@@ -188,6 +188,7 @@ def serving_context(args, engine) -> ServingContext:
         ctx.reasoning_parser = get_reasoning_parser(args.reasoning_parser)
     ctx.response_role = getattr(args, "response_role", None) or "assistant"
     ctx.enable_prompt_tokens_details = getattr(args, "enable_prompt_tokens_details", False)
+    ctx.enable_force_include_usage = getattr(args, "enable_force_include_usage", False)
     if getattr(args, "log_requests", False):
         ctx.request_logger = RequestLogger(getattr(args, "max_log_len", DEFAULT_MAX_LOG_LEN))
     return ctx

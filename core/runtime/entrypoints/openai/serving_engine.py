@@ -13,6 +13,7 @@ from runtime.engine.input_processor import PromptType
 from runtime.entrypoints.logprobs_limit import check_max_logprobs
 from runtime.entrypoints.openai.errors import OpenAIError, param_of
 from runtime.entrypoints.openai.limits import RequestLimits
+from runtime.entrypoints.openai.protocol_sampling import StreamOptions
 from runtime.entrypoints.openai.request_logger import RequestLogger
 from runtime.outputs import Logprob, RequestOutput
 from runtime.sampling_params import SamplingParams
@@ -43,6 +44,8 @@ class ServingContext:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: what a request that does not say gets
     # --enable-prompt-tokens-details: usage has prompt_tokens_details.cached_tokens (prefix-cache hits)
     enable_prompt_tokens_details: bool = False
+    # --enable-force-include-usage: every stream ends with the usage chunk, include_usage asked for or not
+    enable_force_include_usage: bool = False
 
     @property
     def model_name(self) -> str:
@@ -71,6 +74,15 @@ class OpenAIServing:
         if name is None or name in self.ctx.served_model_names:
             return self.ctx.model_name
         raise model_not_found(name, self.ctx.served_model_names)
+
+    def with_forced_usage(self, request):
+        """``request`` with ``stream_options.include_usage`` on where the server has --enable-force-include-usage and
+        the request streams; its ``continuous_usage_stats`` stays as it asked."""
+        if not self.ctx.enable_force_include_usage or not request.stream or request.include_usage:
+            return request
+        options = request.stream_options
+        forced = options.model_copy(update={"include_usage": True}) if options else StreamOptions(include_usage=True)
+        return request.model_copy(update={"stream_options": forced})
 
     def with_model_defaults(self, request):
         """``request`` with the model's default sampling values (``--generation-config``) in the fields it leaves unset;
