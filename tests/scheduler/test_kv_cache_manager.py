@@ -12,7 +12,7 @@ def test_block_pool_allocates_in_order_and_frees_to_tail():
     assert [b.block_id for b in a] == [0, 1] and pool.num_free_blocks == 2
     pool.free(reversed(a))
     # freed last-first: block 1 is evicted before block 0
-    assert list(pool.free_queue) == [2, 3, 1, 0]
+    assert pool.free_block_ids() == [2, 3, 1, 0]
     assert pool.usage() == 0.0
 
 
@@ -94,3 +94,22 @@ def test_reset_prefix_cache_only_when_idle(make_request):
     kv.free(a)
     assert kv.reset_prefix_cache()
     assert kv.get_computed_blocks(make_request("b", list(range(8))))[1] == 0
+
+
+def test_block_pool_makes_block_objects_only_as_they_are_handed_out():
+    pool = BlockPool(10**9, enable_caching=True)  # a billion blocks: only a count until used
+    assert pool.blocks == [] and pool.num_free_blocks == 10**9
+    a, b = pool.allocate(2)
+    assert [x.block_id for x in pool.blocks] == [0, 1] and pool.num_free_blocks == 10**9 - 2
+    pool.free([b])
+    assert list(pool.free_queue) == [1] and pool.num_free_blocks == 10**9 - 1
+    assert [x.block_id for x in pool.allocate(1)] == [2]  # the never-used blocks go first
+
+
+def test_block_pool_evicts_never_used_blocks_first_then_the_freed_ones_in_order():
+    pool = BlockPool(5, enable_caching=True)
+    a = pool.allocate(3)
+    pool.free([a[1], a[0]])
+    assert pool.free_block_ids() == [3, 4, 1, 0]
+    assert [x.block_id for x in pool.allocate(4)] == [3, 4, 1, 0]
+    assert pool.num_free_blocks == 0 and len(pool.blocks) == 5
