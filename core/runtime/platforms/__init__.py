@@ -62,6 +62,10 @@ class Platform:
         """One layer's KV cache tensor."""
         return torch.zeros(shape, dtype=dtype, device=device)
 
+    def zero_kv_cache(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Fill a (contiguous) KV cache tensor with zeros again, as after ``wake_up``."""
+        return tensor.zero_()
+
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         """The dtype ``--dtype auto`` runs: the checkpoint's ``config_dtype``, float32 where it
         names none (a GGUF file's quantized blocks)."""

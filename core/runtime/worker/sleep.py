@@ -124,7 +124,8 @@ class WorkerSleep:
         if "kv_cache" in tags:
             for storage, nbytes in self.kv_sizes:
                 storage.resize_(nbytes)
-                as_bytes(storage).zero_()  # attention may read unused slots: they must hold finite values
+                # attention may read unused slots: they must hold finite values
+                self.runner.platform.zero_kv_cache(as_bytes(storage))
             self.kv_sizes = []
             self.asleep.discard("kv_cache")
         self.runner.platform.synchronize()

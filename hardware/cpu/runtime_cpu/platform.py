@@ -55,6 +55,9 @@ class CpuPlatform(Platform):
         # memory up front, so its pages are dropped rather than written (see zeroed_lazily).
         return zeroed_lazily(torch.empty(shape, dtype=dtype, device=device))
 
+    def zero_kv_cache(self, tensor: torch.Tensor) -> torch.Tensor:
+        return zeroed_lazily(tensor)  # a cache brought back by wake_up commits no memory until written
+
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         # float16 matmuls are slow on CPUs; bfloat16 keeps the range of the checkpoint. Weights
         # that name no dtype (a GGUF file's blocks) run in bfloat16 where the CPU computes it

@@ -52,3 +52,11 @@ def test_a_cache_is_zeros_and_a_large_one_commits_no_memory(shape):
         assert grown < 16 << 20  # reading zero pages maps the shared zero page, not new memory
     cache[0, 5] = 1.0  # an ordinary writable tensor
     assert int(torch.count_nonzero(cache)) == shape[2] * shape[3] * shape[4]  # one block's keys
+
+
+def test_zeroing_a_cache_again_drops_its_pages():
+    cache = torch.full((64, 1 << 20), float("nan"))  # 256 MiB, every page written
+    before = resident_bytes()
+    assert CpuPlatform().zero_kv_cache(cache) is cache
+    assert int(torch.count_nonzero(cache)) == 0
+    assert before - resident_bytes() > 200 << 20  # handed back, not written over with zeros
