@@ -70,7 +70,8 @@ def _row_quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | Non
     if rows:
         row_quantize_kernel[(rows,)](
             x, codes, scales, scale if scale is not None else scales, cols, x.stride(0), codes.stride(0),
-            QMAX=quant_max(dtype), MIN_SCALE=MIN_SCALE, STATIC=scale is not None, ROUND=dtype == INT8,
+            QMIN=-128.0 if dtype == INT8 else -quant_max(dtype), QMAX=quant_max(dtype), MIN_SCALE=MIN_SCALE,
+            STATIC=scale is not None, ROUND=dtype == INT8,
             BLOCK=min(4096, max(16, 1 << (cols - 1).bit_length())),
             # H100, 256 rows: 0.50 ms a step of the 8B model, 0.67 at 4 warps
             num_warps=num_warps or (16 if cols >= 8192 else 8),

@@ -80,13 +80,15 @@ def scaled_gemm_kernel(
 def row_quantize_kernel(
     x_ptr, codes_ptr, scale_ptr, static_scale_ptr,
     K, stride_x, stride_codes,
+    QMIN: tl.constexpr,
     QMAX: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     STATIC: tl.constexpr,
     ROUND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One row of ``x`` to 8-bit codes and its float32 scale (``amax / QMAX``, or the static one)."""
+    """One row of ``x`` to 8-bit codes in QMIN..QMAX (the type's range) and its float32 scale
+    (``amax / QMAX``, or the static one)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if STATIC:
@@ -100,7 +102,7 @@ def row_quantize_kernel(
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)  # IEEE division, as torch's
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), QMIN), QMAX)  # IEEE division, as torch's
         if ROUND:  # to the nearest integer, ties to even (torch.round)
             r = tl.floor(q + 0.5)
             odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
