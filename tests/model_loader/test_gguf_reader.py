@@ -55,3 +55,38 @@ def test_a_changed_file_is_parsed_again(opened, tmp_path):
     os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # modified: the cached reader is stale
     assert shared.gguf_reader(copy) is not first
     assert opened == [str(copy), str(copy)]
+
+
+def full_transformers_config(path: str):
+    """transformers' config of a GGUF file from every field, the vocabulary's included."""
+    import os
+
+    from transformers import AutoConfig
+
+    with shared.shared_gguf_readers():
+        config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def test_the_config_is_read_without_converting_the_vocabulary(opened, monkeypatch):
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    from runtime.model_loader.gguf_config import apply_gguf_metadata
+
+    path = smollm2_gguf_path()
+    expected = full_transformers_config(path)
+    real, calls = gguf_utils._gguf_parse_value, []
+    monkeypatch.setattr(gguf_utils, "_gguf_parse_value", lambda *args: calls.append(1) or real(*args))
+    config = resolve._cached_gguf_config(path)
+    assert len(calls) < 1000  # the 49,152 tokens, their types and 48,900 merges were converted one by one
+    assert config.vocab_size == expected.vocab_size == 49152
+    assert config.to_dict() == apply_gguf_metadata(expected, path).to_dict()  # the same config in every other key
+
+
+def test_a_file_without_vocab_size_takes_its_vocabularys_length(tmp_path):
+    from support.gguf_files import spm_vocabulary, write_gguf
+
+    path = write_gguf(tmp_path / "m.gguf", "llama", skip_keys=("vocab_size",), extra=spm_vocabulary)
+    tokens = len(shared.gguf_reader(path).fields["tokenizer.ggml.tokens"].data)
+    assert tokens != 512  # not the tiny config's own size: the length is what counts
+    assert resolve._cached_gguf_config(path).vocab_size == full_transformers_config(path).vocab_size == tokens

@@ -47,15 +47,39 @@ def gguf_reader(path: str | os.PathLike):
     return GGUFReader(path)
 
 
+VOCABULARY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+class _HeaderView:
+    """A parsed reader without the vocabulary's arrays: what a config is read from. transformers converts every
+    field it is given value by value, 13 s for Gemma 3's 262k tokens, which a config does not need."""
+
+    def __init__(self, reader):
+        self._reader = reader
+        self.fields = {k: v for k, v in reader.fields.items() if k not in VOCABULARY_FIELDS}
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+
+def vocabulary_size(path: str | os.PathLike) -> int | None:
+    """How many tokens the file's vocabulary holds (None: it has none)."""
+    field = gguf_reader(path).fields.get(VOCABULARY_FIELDS[0])
+    return None if field is None else len(field.data)
+
+
 @contextmanager
-def shared_gguf_readers() -> Iterator[None]:
+def shared_gguf_readers(header_only: bool = False) -> Iterator[None]:
     """While inside, ``gguf.GGUFReader(path)`` (read-only, as transformers opens it) returns
-    :func:`gguf_reader`'s shared reader; other modes open a fresh one."""
+    :func:`gguf_reader`'s shared reader (``header_only``: without the vocabulary's arrays); other
+    modes open a fresh one."""
     import gguf
     from gguf.gguf_reader import GGUFReader as original
 
     def shared(path, mode: str = "r"):
-        return gguf_reader(path) if mode == "r" else original(path, mode)
+        if mode != "r":
+            return original(path, mode)
+        return _HeaderView(gguf_reader(path)) if header_only else gguf_reader(path)
 
     gguf.GGUFReader = shared
     try:

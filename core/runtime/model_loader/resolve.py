@@ -6,8 +6,10 @@ folder holding exactly one ``.gguf`` file. There is no hub download.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -111,16 +113,38 @@ def _cached_gguf_config(gguf_file: str):
     from transformers import AutoConfig
 
     from runtime.model_loader.gguf_config import apply_gguf_metadata
-    from runtime.model_loader.gguf_reader import shared_gguf_readers
+    from runtime.model_loader.gguf_reader import shared_gguf_readers, vocabulary_size
 
     try:
-        with shared_gguf_readers():
+        # Without the vocabulary (slow to convert); its size is taken from the array's length where the
+        # metadata has no vocab_size, as transformers would (it warns of a default otherwise: quiet here).
+        with shared_gguf_readers(header_only=True), _quiet("transformers.modeling_gguf_pytorch_utils"):
             config = AutoConfig.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
         # A GGUF of a multimodal model (Gemma 3) carries only the language model.
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if not _has_vocab_size(gguf_file) and vocabulary_size(gguf_file) is not None:
+            config.vocab_size = vocabulary_size(gguf_file)
         return apply_gguf_metadata(config, gguf_file)
     except (ValueError, KeyError, OSError, struct.error, StrictDataclassError) as exc:  # struct.error: a file cut short
         raise ValueError(f"could not read the config of GGUF file {gguf_file!r}: {exc}") from exc
+
+
+def _has_vocab_size(gguf_file: str) -> bool:
+    from runtime.model_loader.gguf_reader import gguf_reader
+
+    return any(key.endswith(".vocab_size") and key.count(".") == 1 for key in gguf_reader(gguf_file).fields)
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """Warnings of ``logger_name`` (transformers' logging) silenced while inside."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def model_architecture(hf_config) -> str:
