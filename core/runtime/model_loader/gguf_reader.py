@@ -52,7 +52,7 @@ VOCABULARY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenize
 
 class _HeaderView:
     """A parsed reader without the vocabulary's arrays: what a config is read from. transformers converts every
-    field it is given value by value, 13 s for Gemma 3's 262k tokens, which a config does not need."""
+    field it is given value by value, about 2.5 s for Gemma 3's 262k tokens, which a config does not need."""
 
     def __init__(self, reader):
         self._reader = reader
@@ -62,9 +62,13 @@ class _HeaderView:
         return getattr(self._reader, name)
 
 
-def vocabulary_size(path: str | os.PathLike) -> int | None:
-    """How many tokens the file's vocabulary holds (None: it has none)."""
-    field = gguf_reader(path).fields.get(VOCABULARY_FIELDS[0])
+def unstated_vocab_size(path: str | os.PathLike) -> int | None:
+    """How many tokens the file's vocabulary holds, where its metadata has no ``ARCH.vocab_size`` (None: it has
+    one, or no vocabulary): the size transformers would take from the vocabulary it was given."""
+    fields = gguf_reader(path).fields
+    if any(key.endswith(".vocab_size") and key.count(".") == 1 for key in fields):
+        return None
+    field = fields.get(VOCABULARY_FIELDS[0])
     return None if field is None else len(field.data)
 
 

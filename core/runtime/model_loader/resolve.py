@@ -113,7 +113,7 @@ def _cached_gguf_config(gguf_file: str):
     from transformers import AutoConfig
 
     from runtime.model_loader.gguf_config import apply_gguf_metadata
-    from runtime.model_loader.gguf_reader import shared_gguf_readers, vocabulary_size
+    from runtime.model_loader.gguf_reader import shared_gguf_readers, unstated_vocab_size
 
     try:
         # Without the vocabulary (slow to convert); its size is taken from the array's length where the
@@ -122,17 +122,12 @@ def _cached_gguf_config(gguf_file: str):
             config = AutoConfig.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file))
         # A GGUF of a multimodal model (Gemma 3) carries only the language model.
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if not _has_vocab_size(gguf_file) and vocabulary_size(gguf_file) is not None:
-            config.vocab_size = vocabulary_size(gguf_file)
+        size = unstated_vocab_size(gguf_file)
+        if size is not None:
+            config.vocab_size = size
         return apply_gguf_metadata(config, gguf_file)
     except (ValueError, KeyError, OSError, struct.error, StrictDataclassError) as exc:  # struct.error: a file cut short
         raise ValueError(f"could not read the config of GGUF file {gguf_file!r}: {exc}") from exc
-
-
-def _has_vocab_size(gguf_file: str) -> bool:
-    from runtime.model_loader.gguf_reader import gguf_reader
-
-    return any(key.endswith(".vocab_size") and key.count(".") == 1 for key in gguf_reader(gguf_file).fields)
 
 
 @contextlib.contextmanager

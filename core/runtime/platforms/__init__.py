@@ -59,11 +59,12 @@ class Platform:
         raise NotImplementedError
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """One layer's KV cache tensor."""
-        return torch.zeros(shape, dtype=dtype, device=device)
+        """One layer's KV cache tensor, all zeros: attention reads whole blocks and masks the unused
+        slots, so they must hold finite values."""
+        return self.zero_kv_cache(torch.empty(shape, dtype=dtype, device=device))
 
     def zero_kv_cache(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Fill a (contiguous) KV cache tensor with zeros again, as after ``wake_up``."""
+        """Fill a (contiguous) KV cache tensor with zeros: a new one, or one brought back by ``wake_up``."""
         return tensor.zero_()
 
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import sys
@@ -49,14 +50,10 @@ class CpuPlatform(Platform):
                 raise ValueError(f"{KV_CACHE_ENV} must be a number of GiB, got {env!r}") from None
         return min(DEFAULT_KV_CACHE_BYTES, self.total_memory_bytes() // 4)
 
-    def allocate_kv_cache(self, shape, dtype, device) -> torch.Tensor:
-        # Attention reads whole blocks and masks the unused slots, so they must hold finite
-        # values: the cache starts zeroed. A big default cache should not cost its size in
-        # memory up front, so its pages are dropped rather than written (see zeroed_lazily).
-        return zeroed_lazily(torch.empty(shape, dtype=dtype, device=device))
-
     def zero_kv_cache(self, tensor: torch.Tensor) -> torch.Tensor:
-        return zeroed_lazily(tensor)  # a cache brought back by wake_up commits no memory until written
+        # A big default cache should not cost its size in memory up front (nor again at
+        # wake_up): its pages are dropped rather than written (see zeroed_lazily).
+        return zeroed_lazily(tensor)
 
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         # float16 matmuls are slow on CPUs; bfloat16 keeps the range of the checkpoint. Weights
@@ -107,6 +104,7 @@ def zeroed_lazily(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@functools.cache
 def _libc():
     """The C library, where it has Linux's ``madvise`` semantics; None elsewhere."""
     if not sys.platform.startswith("linux"):
